@@ -1,0 +1,33 @@
+# `make run` serves the app on HOST:PORT (127.0.0.1:8000); `make test` runs every test.
+# Each target installs what it needs first, so both work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: run test bench browser-deps
+
+run: $(VENV)/.installed
+	$(PY) -m uvicorn server:app --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed-dev browser-deps
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed-dev
+	$(PY) bench/run.py
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+# The browser tests drive Debian's chromium (never a downloaded browser) and need CJK fonts.
+browser-deps:
+	@if ! command -v chromium >/dev/null || ! fc-list 2>/dev/null | grep -qi "noto sans cjk"; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-noto-cjk fonts-noto-color-emoji >/dev/null; \
+	fi

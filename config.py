@@ -1,0 +1,156 @@
+"""Settings from `.env` and the environment (the environment wins), and the model lineup.
+
+Nothing is read at import time: `get_settings()` builds a `Settings` when the app starts, so
+tests can build their own. This module knows names and defaults, not how they are used.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+ROOT = Path(__file__).resolve().parent
+TIERS = ("fast", "balanced", "frontier")
+
+# The seven-model lineup a newcomer starts with (OpenRouter-style ids), cheapest tier first.
+DEFAULT_MODELS = (
+    "fast:openai/gpt-5-nano,"
+    "fast:google/gemini-2.5-flash-lite,"
+    "balanced:openai/gpt-5-mini,"
+    "balanced:deepseek/deepseek-r1,"
+    "balanced:anthropic/claude-haiku-4.5,"
+    "frontier:anthropic/claude-sonnet-4.5,"
+    "frontier:openai/gpt-5"
+)
+# Measured in the source: reasoning_effort "minimal" cut cost 91-97% on chat models.
+DEFAULT_MODEL_PARAMS = {
+    "openai/gpt-5-nano": {"reasoning_effort": "minimal"},
+    "openai/gpt-5-mini": {"reasoning_effort": "minimal"},
+}
+# Only models seen streaming reasoning text get a live Thinking panel.
+DEFAULT_REASONING_MODELS = "deepseek/deepseek-r1,anthropic/claude-sonnet-4.5"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    id: str
+    tier: str
+    reasoning: bool = False
+    custom: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.id.rsplit("/", 1)[-1]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore")
+
+    gateway_base_url: str | None = None
+    gateway_api_key: str | None = Field(default=None, repr=False)
+    data_dir: Path = Path(".data")
+
+    models: str = DEFAULT_MODELS
+    default_model: str = "openai/gpt-5-mini"
+    summarizer_model: str = "openai/gpt-5-nano"
+    model_params: Annotated[dict[str, dict], NoDecode] = Field(
+        default_factory=lambda: dict(DEFAULT_MODEL_PARAMS)
+    )
+    reasoning_models: str = DEFAULT_REASONING_MODELS
+
+    context_budget_tokens: int = Field(102_400, gt=0)
+    keep_recent_messages: int = Field(8, ge=2)
+    max_completion_tokens: int = Field(4096, gt=0)
+    summary_max_tokens: int = Field(2048, gt=0)
+    cache_ttl: Literal["5m", "1h"] = "5m"
+    cache_history_breakpoint: bool = True
+
+    search_max_uses: int = Field(3, ge=0)
+    fetch_max_uses: int = Field(2, ge=0)
+    pause_turn_max: int = Field(3, ge=0)
+    web_search_tool_type: str = "web_search_20250305"
+    web_fetch_tool_type: str = "web_fetch_20250910"
+
+    upstream_timeout: float = Field(60.0, gt=0)
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    access_token: str | None = Field(default=None, repr=False)
+    max_request_bytes: int = Field(2_097_152, gt=0)
+    max_message_chars: int = Field(200_000, gt=0)
+
+    @field_validator("gateway_base_url", "gateway_api_key", "access_token", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("gateway_base_url")
+    @classmethod
+    def _strip_slash(cls, value: str | None) -> str | None:
+        return value.rstrip("/") if value else value
+
+    @field_validator("model_params", mode="before")
+    @classmethod
+    def _parse_params(cls, value: object) -> object:
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else {}
+        return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [h.strip().lower() for h in value.split(",") if h.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> "Settings":
+        if not self.is_loopback and not self.access_token:
+            raise ValueError(
+                f"HOST={self.host} is reachable from other machines: set ACCESS_TOKEN in .env "
+                "so that only people with the token can use this server (or bind to 127.0.0.1)."
+            )
+        return self
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host in ("localhost", ""):
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def gateway_configured(self) -> bool:
+        return self.gateway_base_url is not None
+
+    def lineup(self) -> list[ModelInfo]:
+        """The built-in models from MODELS, in order."""
+        reasoning = {m.strip() for m in self.reasoning_models.split(",") if m.strip()}
+        out: list[ModelInfo] = []
+        for entry in self.models.split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            tier, sep, model_id = entry.partition(":")
+            if not sep or tier not in TIERS:
+                tier, model_id = "balanced", entry
+            out.append(ModelInfo(model_id, tier, model_id in reasoning))
+        return out
+
+    def params_for(self, model_id: str) -> dict:
+        """Extra request parameters for one model (e.g. reasoning_effort)."""
+        return dict(self.model_params.get(model_id, {}))
+
+
+def get_settings() -> Settings:
+    return Settings()

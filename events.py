@@ -1,0 +1,169 @@
+"""Typed events that both upstream transports decode into.
+
+`chat.py` (chat completions) and `tools.py` (Messages with server tools) turn wire bytes into
+these values; the turn runner in `server.py` folds them into a reply with `accumulate()` and
+turns them into SSE frames only at the edge. Nothing here knows a wire format.
+
+Failures are not events: a transport raises `failures.UpstreamError` and the runner decides
+what the person sees.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    type: Literal["delta"] = "delta"
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    text: str
+    type: Literal["reasoning"] = "reasoning"
+
+
+@dataclass(frozen=True, slots=True)
+class SearchStarted:
+    query: str
+    type: Literal["search_started"] = "search_started"
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResults:
+    """Results of the latest search; `results` is None and `error_code` set when it failed."""
+
+    query: str
+    results: list[dict] | None
+    error_code: str | None = None
+    type: Literal["search_results"] = "search_results"
+
+
+@dataclass(frozen=True, slots=True)
+class FetchDone:
+    url: str
+    title: str | None
+    ok: bool
+    error_code: str | None = None
+    type: Literal["fetch"] = "fetch"
+
+
+@dataclass(frozen=True, slots=True)
+class CitationFound:
+    url: str
+    title: str
+    type: Literal["citation"] = "citation"
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    """Usage exactly as the vendor reported it; `context.normalize_usage` reads every dialect."""
+
+    raw: dict
+    type: Literal["usage"] = "usage"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The upstream's own finish/stop reason, as sent (`stop`, `length`, `end_turn`, ...)."""
+
+    reason: str
+    type: Literal["finished"] = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Warning:
+    code: str
+    message: str
+    type: Literal["warning"] = "warning"
+
+
+Event = (
+    TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone | CitationFound
+    | UsageReport | Finished | Warning
+)
+
+
+@dataclass(slots=True)
+class Reply:
+    """What one assistant reply has accumulated so far."""
+
+    text: str = ""
+    reasoning: str = ""
+    activity: list[dict] = field(default_factory=list)
+    citations: list[dict] = field(default_factory=list)
+    usage_raw: dict | None = None
+    finish_reason: str | None = None
+    searches: int = 0
+    fetches: int = 0
+
+    @property
+    def has_output(self) -> bool:
+        """True once anything the person can see has arrived (text, thought, tool step)."""
+        return bool(self.text or self.reasoning or self.activity)
+
+
+def _domain(url: str) -> str:
+    return urlsplit(url).hostname or url
+
+
+def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
+    """Fold one event into `reply` (in place, returned for chaining).
+
+    Activity steps carry wall-clock times so the trail can say "Thought for 5s".
+    """
+    now = time.time() if now is None else now
+    match event:
+        case TextDelta(text=text):
+            reply.text += text
+        case ReasoningDelta(text=text):
+            reply.reasoning += text
+            last = reply.activity[-1] if reply.activity else None
+            if last and last["kind"] == "thinking":
+                last["text"] += text
+                last["ended_at"] = now
+            else:
+                reply.activity.append(
+                    {"kind": "thinking", "text": text, "started_at": now, "ended_at": now}
+                )
+        case SearchStarted(query=query):
+            reply.searches += 1
+            reply.activity.append(
+                {"kind": "search", "query": query, "results": None, "domains": [], "at": now}
+            )
+        case SearchResults(query=query, results=results, error_code=error_code):
+            step = next(
+                (s for s in reversed(reply.activity)
+                 if s["kind"] == "search" and s["results"] is None and "error" not in s),
+                None,
+            )
+            if step is None:
+                step = {"kind": "search", "query": query, "at": now}
+                reply.activity.append(step)
+            step["results"] = results
+            step["domains"] = sorted({_domain(r["url"]) for r in results or []})
+            if error_code:
+                step["error"] = error_code
+        case FetchDone(url=url, title=title, ok=ok, error_code=error_code):
+            reply.fetches += 1
+            step = {"kind": "fetch", "url": url, "title": title, "ok": ok, "at": now}
+            if error_code:
+                step["error"] = error_code
+            reply.activity.append(step)
+        case CitationFound(url=url, title=title):
+            if url.startswith(("http://", "https://")) and all(
+                c["url"] != url for c in reply.citations
+            ):
+                reply.citations.append({"url": url, "title": title})
+        case UsageReport(raw=raw):
+            reply.usage_raw = raw
+        case Finished(reason=reason):
+            reply.finish_reason = reason
+        case Warning():
+            pass
+    return reply

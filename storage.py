@@ -1,0 +1,224 @@
+"""Persistence: one JSON file per conversation, `memory.md`, `models.json`, all under DATA_DIR.
+
+Every write goes to a temporary file (never ending in `.json`), is fsynced and renamed over the
+old one, so a crash mid-write leaves the previous version or the new one, never a torn file.
+A file that does not parse is reported, skipped and never overwritten.
+
+Reads are served from memory when the file has not changed on disk, so a long conversation is
+not re-parsed every turn. Callers mutate conversations only inside `update()`, which runs
+without awaiting and is therefore atomic within the event loop.
+
+This module knows files and ids, not turns or wire formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import orjson
+
+log = logging.getLogger("chat.storage")
+
+SCHEMA_VERSION = 1
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+
+class NotFound(Exception):
+    """No conversation with that id (or the id is not one the server could have made)."""
+
+
+class Damaged(Exception):
+    """The conversation file exists but cannot be used; it is left untouched."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path.name}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def new_id() -> str:
+    """A random, unguessable id that is safe as a file name."""
+    return secrets.token_urlsafe(16)
+
+
+def valid_id(value: str) -> bool:
+    return ID_PATTERN.fullmatch(value) is not None
+
+
+def now_iso() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old or the new content, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def empty_totals() -> dict:
+    return {
+        "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "searches": 0, "fetches": 0,
+        "cost": 0.0, "cost_unreported": 0, "turns": 0,
+        "compression_cost": 0.0, "compression_calls": 0,
+    }
+
+
+def _upgrade_unversioned(conv: dict) -> dict:
+    """Version 0 (hand-written or pre-release files): fill every field the server relies on."""
+    conv.setdefault("title", "New conversation")
+    conv.setdefault("created_at", now_iso())
+    conv.setdefault("updated_at", conv["created_at"])
+    conv.setdefault("settings", {})
+    conv.setdefault("summary", "")
+    conv.setdefault("messages", [])
+    conv.setdefault("last_prompt_tokens", None)
+    conv["totals"] = {**empty_totals(), **conv.get("totals", {})}
+    return conv
+
+
+# Upgrades in order: MIGRATIONS[n] turns a version-n file into version n+1.
+MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned]
+
+
+def upgrade(conv: dict) -> dict:
+    version = conv.get("schema_version", 0)
+    if not isinstance(version, int) or version > SCHEMA_VERSION or version < 0:
+        raise ValueError(f"unknown schema_version {version!r}")
+    for migrate in MIGRATIONS[version:]:
+        conv = migrate(conv)
+    conv["schema_version"] = SCHEMA_VERSION
+    return conv
+
+
+def _dumps(obj: object) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n"
+
+
+class Store:
+    """Conversations, memory and custom models under one data directory."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.root = Path(data_dir)
+        self.conversations_dir = self.root / "conversations"
+        self.memory_path = self.root / "memory.md"
+        self.models_path = self.root / "models.json"
+        self.conversations_dir.mkdir(parents=True, exist_ok=True)
+        self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
+
+    def _path(self, conv_id: str) -> Path:
+        if not valid_id(conv_id):
+            raise NotFound(conv_id)
+        return self.conversations_dir / f"{conv_id}.json"
+
+    def create(self, conv: dict) -> dict:
+        conv = upgrade(dict(conv))
+        self._write(conv)
+        return conv
+
+    def get(self, conv_id: str) -> dict:
+        """The stored conversation; do not mutate it outside `update()`."""
+        path = self._path(conv_id)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            self._cache.pop(conv_id, None)
+            raise NotFound(conv_id) from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        cached = self._cache.get(conv_id)
+        if cached and cached[0] == stamp:
+            return cached[1]
+        try:
+            conv = orjson.loads(path.read_bytes())
+            if not isinstance(conv, dict) or conv.get("id") != conv_id:
+                raise ValueError("not a conversation of this server (id mismatch)")
+            conv = upgrade(conv)
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            raise Damaged(path, str(exc) or type(exc).__name__) from None
+        self._cache[conv_id] = (stamp, conv)
+        return conv
+
+    def update(self, conv_id: str, change: Callable[[dict], object]) -> dict:
+        """Apply `change` to the latest stored version and write it back atomically."""
+        conv = self.get(conv_id)
+        try:
+            change(conv)
+            conv["updated_at"] = now_iso()
+            self._write(conv)
+        except BaseException:
+            self._cache.pop(conv_id, None)
+            raise
+        return conv
+
+    def _write(self, conv: dict) -> None:
+        path = self._path(conv["id"])
+        atomic_write(path, _dumps(conv))
+        stat = path.stat()
+        self._cache[conv["id"]] = ((stat.st_mtime_ns, stat.st_size), conv)
+
+    def delete(self, conv_id: str) -> None:
+        path = self._path(conv_id)
+        self._cache.pop(conv_id, None)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise NotFound(conv_id) from None
+
+    def list(self) -> list[dict]:
+        """Every readable conversation; damaged or foreign files are logged and skipped."""
+        out = []
+        for path in self.conversations_dir.glob("*.json"):
+            conv_id = path.stem
+            if not valid_id(conv_id):
+                log.warning("skipping %s: not a conversation file name", path.name)
+                continue
+            try:
+                out.append(self.get(conv_id))
+            except Damaged as exc:
+                log.warning("skipping damaged conversation file %s: %s", path.name, exc.reason)
+            except NotFound:
+                continue
+        return out
+
+    def read_memory(self) -> str:
+        try:
+            return self.memory_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return ""
+
+    def write_memory(self, text: str) -> None:
+        atomic_write(self.memory_path, text.encode("utf-8"))
+
+    def read_custom_models(self) -> list[dict]:
+        try:
+            data = orjson.loads(self.models_path.read_bytes())
+        except FileNotFoundError:
+            return []
+        except orjson.JSONDecodeError as exc:
+            log.warning("ignoring damaged %s: %s", self.models_path.name, exc)
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def write_custom_models(self, models: list[dict]) -> None:
+        atomic_write(self.models_path, _dumps(models))
