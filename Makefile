@@ -1,15 +1,13 @@
-# `make run` serves the app on HOST:PORT (127.0.0.1:8000); `make test` runs every test.
+# `make run` serves the app where .env says (127.0.0.1:8000 by default); `make test` runs every test.
 # Each target installs what it needs first, so both work on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-HOST ?= 127.0.0.1
-PORT ?= 8000
 
 .PHONY: run test bench browser-deps
 
 run: $(VENV)/.installed
-	$(PY) -m uvicorn server:app --host $(HOST) --port $(PORT)
+	$(PY) server.py
 
 test: $(VENV)/.installed-dev browser-deps
 	$(PY) -m pytest

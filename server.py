@@ -52,7 +52,7 @@ def default_settings(settings: Settings, preset: str | None) -> dict:
         "tool_instructions": (PROMPTS / "tool_instructions.txt").read_text(encoding="utf-8").strip()
         .replace("{search_max_uses}", str(settings.search_max_uses))
         .replace("{fetch_max_uses}", str(settings.fetch_max_uses)),
-        "compression_prompt": (PROMPTS / "compression.txt").read_text(encoding="utf-8").strip(),
+        "compression_prompt": context.default_compression_prompt(),
     }
 
 
@@ -285,6 +285,11 @@ def install_routes(app: FastAPI) -> None:
         state.store.update(conv_id, cut)
         return {"content": content}
 
+    @app.post("/api/conversations/{conv_id}/compress")
+    async def compress(conv_id: str, state: StateDep, body: Empty | None = None) -> dict:
+        """Compress now, whatever the budget: the `compression` event's data (folded 0 when nothing is old enough)."""
+        return await state.turns.compress_now(conv_id)
+
 
 class TurnResponse(EventSourceResponse):
     """An SSE response that releases its turn even if the client left before it started."""
@@ -306,3 +311,22 @@ def turn_response(state: State, turn: Turn) -> Response:
 
 
 app = create_app()
+
+
+def main() -> None:
+    """`make run`: bind where the settings say, refusing to start on a bad configuration."""
+    import sys
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    try:
+        settings = get_settings()
+    except ValidationError as exc:
+        sys.exit("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

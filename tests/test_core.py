@@ -1,0 +1,336 @@
+"""The core turn: streaming, usage, Regenerate, Rewind, model switch, failures, ids and bodies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from conftest import names, parse_sse
+from simulator import Script, Usage, errors, steps
+
+
+def chat_requests(sim):
+    return [r for r in sim.requests if r.path == "/v1/chat/completions"]
+
+
+@pytest.fixture
+async def conv(api):
+    # Chat-completions turns: the web tools would route to /v1/messages.
+    created = await api.new()
+    await api.patch(created["id"], settings={"web_search": False, "web_fetch": False})
+    return created
+
+
+async def test_reply_streams_reasoning_then_text_and_is_saved(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Reasoning("Think about greetings."), steps.Text("Hello there, friend.")]))
+
+    events = await api.send(conv["id"], "Say hello")
+
+    kinds = names(events)
+    assert kinds[0] == "start" and kinds[-1] == "done"
+    assert kinds.index("reasoning") < kinds.index("delta")
+    assert "".join(d["text"] for n, d in events if n == "delta") == "Hello there, friend."
+    assert "".join(d["text"] for n, d in events if n == "reasoning") == "Think about greetings."
+    stored = await api.get(conv["id"])
+    user, reply = stored["messages"]
+    assert (user["role"], user["content"]) == ("user", "Say hello")
+    assert reply["content"] == "Hello there, friend." and reply["status"] == "complete"
+    assert reply["activity"][0]["kind"] == "thinking"
+    assert stored["title"] == "Say hello"
+
+
+async def test_reasoning_field_named_reasoning_is_read_too(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Reasoning("vLLM style.", field="reasoning"), steps.Text("Ok.")]))
+
+    events = await api.send(conv["id"], "hi")
+
+    assert [d["text"] for n, d in events if n == "reasoning"] == ["vLLM style."]
+
+
+async def test_usage_is_recorded_per_message_and_in_totals(api, sim, conv):
+    sim.enqueue(
+        Script(steps=[steps.Text("One.")], usage=Usage(prompt=1200, completion=7, cached=1024, cost=0.0021,
+                                                       dialect="openrouter")),
+        Script(steps=[steps.Text("Two.")], usage=Usage(prompt=1300, completion=9, cached=1100, dialect="openai")),
+    )
+
+    first = await api.send(conv["id"], "first")
+    await api.send(conv["id"], "second")
+
+    done = dict(first)["done"]
+    assert done["usage"]["input_tokens"] == 1200 and done["usage"]["cached_tokens"] == 1024
+    stored = await api.get(conv["id"])
+    usages = [m["usage"] for m in stored["messages"] if m["role"] == "assistant"]
+    assert [u["output_tokens"] for u in usages] == [7, 9]
+    assert [u["cost"] for u in usages] == [0.0021, None]
+    totals = stored["totals"]
+    assert (totals["input_tokens"], totals["cached_tokens"], totals["turns"]) == (2500, 2124, 2)
+    assert totals["cost"] == pytest.approx(0.0021) and totals["cost_unreported"] == 1
+    assert stored["last_prompt_tokens"] == 1300
+
+
+async def test_regenerate_replaces_the_last_reply_with_the_current_model(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("First answer.")]), Script(steps=[steps.Text("Better answer.")]))
+    await api.send(conv["id"], "Question?")
+    await api.patch(conv["id"], model="anthropic/claude-sonnet-4.5")
+
+    events = await api.regenerate(conv["id"])
+
+    assert names(events)[0] == "start" and "user_message_id" not in events[0][1]
+    assert events[0][1]["model"] == "anthropic/claude-sonnet-4.5"
+    stored = await api.get(conv["id"])
+    assert [(m["role"], m["content"]) for m in stored["messages"]] == [
+        ("user", "Question?"), ("assistant", "Better answer.")]
+    last_request = chat_requests(sim)[-1].body
+    assert last_request["model"] == "anthropic/claude-sonnet-4.5"
+    assert [m["role"] for m in last_request["messages"] if m["role"] != "system"] == ["user"]
+
+
+async def test_regenerate_with_nothing_to_answer_is_409(api, client, conv):
+    response = await client.post(f"/api/conversations/{conv['id']}/regenerate", json={})
+    assert response.status_code == 409
+
+
+async def test_rewind_returns_the_last_message_and_removes_it(api, client, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("A.")]), Script(steps=[steps.Text("B.")]))
+    await api.send(conv["id"], "keep me")
+    await api.send(conv["id"], "edit me")
+
+    response = await client.post(f"/api/conversations/{conv['id']}/rewind", json={})
+
+    assert response.status_code == 200 and response.json() == {"content": "edit me"}
+    stored = await api.get(conv["id"])
+    assert [m["content"] for m in stored["messages"]] == ["keep me", "A."]
+
+
+async def test_model_switch_applies_to_the_next_turn_with_history_intact(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("from mini")]), Script(steps=[steps.Text("from sonnet")]))
+    await api.send(conv["id"], "one")
+    patched = await api.patch(conv["id"], model="anthropic/claude-sonnet-4.5")
+    assert patched["model"] == "anthropic/claude-sonnet-4.5"
+
+    await api.send(conv["id"], "two")
+
+    first, second = (r.body for r in chat_requests(sim))
+    assert first["model"] == "openai/gpt-5-mini" and second["model"] == "anthropic/claude-sonnet-4.5"
+    history = [(m["role"], m["content"] if isinstance(m["content"], str) else m["content"][0]["text"])
+               for m in second["messages"] if m["role"] != "system"]
+    assert history == [("user", "one"), ("assistant", "from mini"), ("user", "two")]
+    stored = await api.get(conv["id"])
+    assert [m.get("model") for m in stored["messages"] if m["role"] == "assistant"] == [
+        "openai/gpt-5-mini", "anthropic/claude-sonnet-4.5"]
+
+
+FAILURES = [
+    ("auth", errors.openai_invalid_key, False),
+    ("auth", errors.openai_insufficient_quota, False),
+    ("rate_limited", lambda: errors.openai_rate_limit(retry_after=7), True),
+    ("context_overflow", errors.openai_context_overflow, True),
+    ("refused", errors.openrouter_moderation, False),
+    ("model_unavailable", lambda: errors.openai_model_not_found("openai/gpt-5-mini"), False),
+    ("model_unavailable", lambda: errors.openrouter_no_endpoints("openai/gpt-5-mini"), False),
+    ("upstream", errors.server_error_502, True),
+]
+
+
+@pytest.mark.parametrize("kind,script,retryable", FAILURES, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(FAILURES)])
+async def test_failure_before_first_event_rolls_back_and_returns_the_draft(api, sim, conv, kind, script, retryable):
+    # Overflow self-heals once by compressing; a second overflow is what reaches the person.
+    sim.enqueue(script(), script())
+
+    events = await api.send(conv["id"], "my precious words")
+
+    assert names(events)[0] == "start" and names(events)[-1] == "error"
+    error = events[-1][1]
+    assert error["kind"] == kind and error["retryable"] is retryable
+    assert error["draft"] == "my precious words" and error["partial"] is False
+    if kind == "rate_limited":
+        assert error["retry_after"] == 7
+    stored = await api.get(conv["id"])
+    assert stored["messages"] == [] and stored["title"] == "New conversation"
+
+    sim.reset()
+    sim.enqueue(Script(steps=[steps.Text("Now it works.")]))
+    await api.send(conv["id"], error["draft"])
+    stored = await api.get(conv["id"])
+    assert [m["content"] for m in stored["messages"]] == ["my precious words", "Now it works."]
+
+
+@pytest.mark.parametrize("finish,kind", [("content_filter", "refused"), ("error", "upstream"), ("banana", "upstream")])
+async def test_bad_finish_reason_is_a_failure_not_a_reply(api, sim, conv, finish, kind):
+    sim.enqueue(Script(steps=[], finish=finish))
+
+    events = await api.send(conv["id"], "hello")
+
+    assert events[-1][0] == "error" and events[-1][1]["kind"] == kind
+
+
+async def test_break_after_text_keeps_the_partial_reply(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("Half an ans"), steps.StreamError(
+        {"error": {"message": "Provider disconnected unexpectedly", "type": "server_error"}})]))
+
+    events = await api.send(conv["id"], "question")
+
+    assert names(events) == ["start", "delta", "error"]
+    error = events[-1][1]
+    assert error["kind"] == "upstream" and error["partial"] is True and "draft" not in error
+    stored = await api.get(conv["id"])
+    reply = stored["messages"][-1]
+    assert (reply["content"], reply["status"]) == ("Half an ans", "interrupted")
+    assert reply["usage"]["estimated"] is True
+
+
+async def test_stream_cut_without_finish_is_upstream_failure(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("Trunc"), steps.Close()]))
+
+    events = await api.send(conv["id"], "question")
+
+    assert events[-1][0] == "error" and events[-1][1]["kind"] == "upstream"
+    assert (await api.get(conv["id"]))["messages"][-1]["status"] == "interrupted"
+
+
+async def test_finish_without_done_marker_is_complete(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("All here.")], send_done=False))
+
+    events = await api.send(conv["id"], "question")
+
+    assert names(events)[-1] == "done"
+
+
+async def test_no_empty_assistant_message_is_stored_or_sent(api, sim, conv):
+    sim.enqueue(Script(steps=[], finish="stop"), Script(steps=[steps.Text("Real answer.")]))
+
+    await api.send(conv["id"], "first")
+    stored = await api.get(conv["id"])
+    assert [m["role"] for m in stored["messages"]] == ["user"]
+
+    await api.send(conv["id"], "second")
+    sent = [m for m in chat_requests(sim)[-1].body["messages"] if m["role"] != "system"]
+    assert all((m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]).strip()
+               for m in sent)
+    assert [m["role"] for m in sent] == ["user", "user"]
+
+
+async def test_second_turn_while_streaming_is_409(api, client, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("slow "), steps.Sleep(1.0), steps.Text("reply")]))
+    first = asyncio.create_task(api.send(conv["id"], "one"))
+    await asyncio.to_thread(sim.wait_for_requests, 1)
+
+    for path, body in [("messages", {"content": "two"}), ("regenerate", {}), ("rewind", {})]:
+        response = await client.post(f"/api/conversations/{conv['id']}/{path}", json=body)
+        assert response.status_code == 409, path
+
+    assert names(await first)[-1] == "done"
+    stored = await api.get(conv["id"])
+    assert [m["content"] for m in stored["messages"]] == ["one", "slow reply"]
+
+
+@pytest.mark.parametrize("conv_id", ["nonexistent-id-123", "..%2F..%2Fetc%2Fpasswd", "....", "a.json",
+                                     "%2e%2e", "x" * 65, "short"])
+async def test_unknown_and_path_shaped_ids_are_404_or_422(client, conv_id):
+    for method, suffix, body in [("GET", "", None), ("PATCH", "", {"title": "x"}), ("DELETE", "", None),
+                                 ("POST", "/messages", {"content": "hi"}), ("POST", "/rewind", {})]:
+        response = await client.request(method, f"/api/conversations/{conv_id}{suffix}", json=body)
+        assert response.status_code in (404, 422), (method, suffix, response.status_code)
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b'{"content": ', "truncated JSON"),
+    (b'{"content": NaN}', "NaN"),
+    (b'{"content": "\\ud800"}', "lone surrogate"),
+    (b'{"content": 5}', "wrong type"),
+    (b'{}', "missing content"),
+    (b'{"content": "   \\n "}', "whitespace only"),
+    (b'{"content": "hi", "extra": 1}', "unknown field"),
+    (b'', "no body"),
+])
+async def test_malformed_message_bodies_are_422_and_change_nothing(api, client, conv, raw, why):
+    response = await client.post(f"/api/conversations/{conv['id']}/messages", content=raw,
+                                 headers={"content-type": "application/json"})
+    assert response.status_code == 422, why
+    assert "detail" in response.json()
+    assert (await api.get(conv["id"]))["messages"] == []
+
+
+async def test_oversized_message_is_422(api, client, app, conv):
+    limit = app.state.chat.settings.max_message_chars
+    response = await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": "x" * (limit + 1)})
+    assert response.status_code == 422
+
+
+@pytest.mark.parametrize("patch", [
+    {"settings": {"context_budget": 0}}, {"settings": {"context_budget": "1000"}},
+    {"settings": {"context_budget": 1.5}}, {"settings": {"compression_prompt": "no placeholder"}},
+    {"settings": {"web_search": "yes"}}, {"model": "has space"}, {"nonsense": 1},
+])
+async def test_invalid_settings_are_422_with_a_message(api, client, conv, patch):
+    before = await api.get(conv["id"])
+    response = await client.patch(f"/api/conversations/{conv['id']}", json=patch)
+    assert response.status_code == 422 and response.json()["detail"]
+    after = await api.get(conv["id"])
+    assert after["settings"] == before["settings"] and after["model"] == before["model"]
+
+
+async def test_conversation_list_is_newest_first_with_counts(api, client, sim):
+    first = await api.new()
+    second = await api.new()
+    await api.patch(first["id"], title="renamed")
+
+    listing = (await client.get("/api/conversations")).json()
+
+    assert [c["id"] for c in listing] == [first["id"], second["id"]]
+    assert listing[0]["title"] == "renamed" and listing[0]["message_count"] == 0
+
+
+async def test_delete_removes_the_file(api, client, app):
+    conv = await api.new()
+    assert (await client.delete(f"/api/conversations/{conv['id']}")).status_code == 204
+    assert (await client.get(f"/api/conversations/{conv['id']}")).status_code == 404
+    assert not list((app.state.chat.store.conversations_dir).glob("*.json"))
+
+
+async def test_models_lineup_and_custom_models(client, app):
+    lineup = (await client.get("/api/models")).json()
+    assert [t["tier"] for t in lineup["tiers"]] == ["fast", "balanced", "frontier"]
+    assert sum(len(t["models"]) for t in lineup["tiers"]) == 7
+    assert any(m["reasoning"] for t in lineup["tiers"] for m in t["models"])
+
+    added = await client.post("/api/models", json={"id": "qwen/qwen3-coder", "tier": "fast"})
+    assert added.status_code == 201
+    assert (app.state.chat.store.models_path).exists()
+    fast = (await client.get("/api/models")).json()["tiers"][0]["models"]
+    assert {"id": "qwen/qwen3-coder", "custom": True}.items() <= fast[-1].items()
+
+    assert (await client.delete("/api/models/qwen/qwen3-coder")).status_code == 204
+    assert (await client.delete("/api/models/openai/gpt-5")).status_code == 400
+
+
+async def test_memory_and_presets(client, app):
+    assert (await client.put("/api/memory", json={"text": "- prefers Python\n"})).json() == {"text": "- prefers Python\n"}
+    assert app.state.chat.store.memory_path.read_text() == "- prefers Python\n"
+    assert (await client.get("/api/memory")).json()["text"] == "- prefers Python\n"
+    presets = (await client.get("/api/presets")).json()
+    assert "default" in [p["name"] for p in presets] and all(p["text"] for p in presets)
+
+
+async def test_healthz_names_the_configured_gateway(client):
+    assert (await client.get("/healthz")).json() == {"ok": True, "gateway_configured": True, "gateway": "configured"}
+
+
+async def test_demo_gateway_answers_without_configuration(tmp_path):
+    from config import Settings
+    from server import create_app
+
+    app = create_app(Settings(_env_file=None, data_dir=tmp_path / "demo"))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+            health = (await c.get("/healthz")).json()
+            assert health["gateway_configured"] is False and health["gateway"] == "demo"
+            conv = (await c.post("/api/conversations", json={})).json()
+            events = parse_sse((await c.post(f"/api/conversations/{conv['id']}/messages",
+                                             json={"content": "What are you?"})).text)
+    text = "".join(d["text"] for n, d in events if n == "delta")
+    assert names(events)[-1] == "done"
+    assert "simulated" in text.lower() and "```" in text

@@ -1,0 +1,75 @@
+"""Stop through a real uvicorn server: the upstream socket closes and the partial reply is kept."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from simulator import Script, steps
+
+
+def start_conversation(server) -> str:
+    conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
+    httpx.patch(f"{server.base_url}/api/conversations/{conv['id']}",
+                json={"settings": {"web_search": False, "web_fetch": False}})
+    return conv["id"]
+
+
+def stream_until_first_delta(server, conv_id: str) -> float:
+    """Open the turn stream, read to the first delta, hang up; returns when we hung up."""
+    with httpx.stream("POST", f"{server.base_url}/api/conversations/{conv_id}/messages",
+                      json={"content": "tell me a long story"}, timeout=10) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: delta"):
+                break
+        return time.monotonic()
+
+
+def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
+    sim.enqueue(Script(steps=[steps.Text("Once upon a time "), steps.Sleep(0.2)]
+                       + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
+    conv_id = start_conversation(live_server)
+
+    hung_up_at = stream_until_first_delta(live_server, conv_id)
+
+    record = sim.wait_for_disconnect(timeout=5)
+    assert record.disconnected_at - hung_up_at < 1.0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        conv = httpx.get(f"{live_server.base_url}/api/conversations/{conv_id}").json()
+        if not conv["streaming"]:
+            break
+        time.sleep(0.05)
+    replies = [m for m in conv["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 1
+    assert replies[0]["status"] == "interrupted" and replies[0]["content"].startswith("Once upon a time")
+    assert replies[0]["usage"]["estimated"] is True and replies[0]["usage"]["output_tokens"] > 0
+    assert conv["totals"]["turns"] == 1
+
+    # The conversation is free again: the next turn runs.
+    sim.enqueue(Script(steps=[steps.Text("Fine.")]))
+    response = httpx.post(f"{live_server.base_url}/api/conversations/{conv_id}/messages",
+                          json={"content": "shorter please"}, timeout=10)
+    assert "event: done" in response.text
+
+
+def test_stop_before_any_text_keeps_the_question_and_stores_no_empty_reply(live_server, sim):
+    sim.enqueue(Script(steps=[steps.Sleep(3), steps.Text("too late")]))
+    conv_id = start_conversation(live_server)
+
+    with httpx.stream("POST", f"{live_server.base_url}/api/conversations/{conv_id}/messages",
+                      json={"content": "are you there?"}, timeout=10) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: start"):
+                break
+    sim.wait_for_disconnect(timeout=5)
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        conv = httpx.get(f"{live_server.base_url}/api/conversations/{conv_id}").json()
+        if not conv["streaming"]:
+            break
+        time.sleep(0.05)
+    assert [m["role"] for m in conv["messages"]] == ["user"]
