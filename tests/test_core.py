@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from conftest import names, parse_sse
+from support import names, parse_sse
 from simulator import Script, Usage, errors, steps
 
 

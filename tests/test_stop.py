@@ -27,6 +27,16 @@ def stream_until_first_delta(server, conv_id: str) -> float:
         return time.monotonic()
 
 
+def settled(server, conv_id: str) -> dict:
+    """The conversation once the server has finished with the aborted turn."""
+    deadline = time.monotonic() + 5
+    while True:
+        conv = httpx.get(f"{server.base_url}/api/conversations/{conv_id}").json()
+        if not conv["streaming"] or time.monotonic() > deadline:
+            return conv
+        time.sleep(0.05)
+
+
 def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
     sim.enqueue(Script(steps=[steps.Text("Once upon a time "), steps.Sleep(0.2)]
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
@@ -36,12 +46,7 @@ def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
 
     record = sim.wait_for_disconnect(timeout=5)
     assert record.disconnected_at - hung_up_at < 1.0
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        conv = httpx.get(f"{live_server.base_url}/api/conversations/{conv_id}").json()
-        if not conv["streaming"]:
-            break
-        time.sleep(0.05)
+    conv = settled(live_server, conv_id)
     replies = [m for m in conv["messages"] if m["role"] == "assistant"]
     assert len(replies) == 1
     assert replies[0]["status"] == "interrupted" and replies[0]["content"].startswith("Once upon a time")
@@ -61,15 +66,11 @@ def test_stop_before_any_text_keeps_the_question_and_stores_no_empty_reply(live_
 
     with httpx.stream("POST", f"{live_server.base_url}/api/conversations/{conv_id}/messages",
                       json={"content": "are you there?"}, timeout=10) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: start"):
-                break
+        # A dropped httpx iterator closes the response, so hold it until the upstream call is made.
+        chunks = response.iter_raw()
+        assert b"event: start" in next(chunks)
+        sim.wait_for_requests(1)
     sim.wait_for_disconnect(timeout=5)
 
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        conv = httpx.get(f"{live_server.base_url}/api/conversations/{conv_id}").json()
-        if not conv["streaming"]:
-            break
-        time.sleep(0.05)
+    conv = settled(live_server, conv_id)
     assert [m["role"] for m in conv["messages"]] == ["user"]

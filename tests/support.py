@@ -1,0 +1,113 @@
+"""Helpers shared by the test suites (fixtures live in conftest.py files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    """(event, data) pairs of a whole SSE body, pings and comments skipped."""
+    out = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        name, data = "message", []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip(" "))
+        if data:
+            out.append((name, json.loads("\n".join(data))))
+    return out
+
+
+def names(events: list[tuple[str, dict]]) -> list[str]:
+    return [name for name, _ in events]
+
+
+class Api:
+    """Small verbs over the HTTP contract, so tests read as what a person does."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def new(self, **body) -> dict:
+        response = await self.client.post("/api/conversations", json=body)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    async def get(self, conv_id: str) -> dict:
+        response = await self.client.get(f"/api/conversations/{conv_id}")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def send(self, conv_id: str, content: str) -> list[tuple[str, dict]]:
+        response = await self.client.post(f"/api/conversations/{conv_id}/messages", json={"content": content})
+        assert response.status_code == 200, response.text
+        return parse_sse(response.text)
+
+    async def regenerate(self, conv_id: str) -> list[tuple[str, dict]]:
+        response = await self.client.post(f"/api/conversations/{conv_id}/regenerate", json={})
+        assert response.status_code == 200, response.text
+        return parse_sse(response.text)
+
+    async def patch(self, conv_id: str, **body) -> dict:
+        response = await self.client.patch(f"/api/conversations/{conv_id}", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`python -m uvicorn server:app` in a child process, as a person runs it."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, "DATA_DIR": str(data_dir), "UPSTREAM_TIMEOUT": "5", **env}
+        self.log_path = data_dir.parent / f"server-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "server:app", "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "warning"],
+            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/healthz", timeout=0.5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not start")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
