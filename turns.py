@@ -22,6 +22,7 @@ import orjson
 
 import chat
 import context
+import tools
 from config import Settings
 from events import (
     Event, FetchDone, ReasoningDelta, Reply, SearchResults, SearchStarted, TextDelta, Warning, accumulate,
@@ -143,6 +144,55 @@ class Turns:
         self.active[conv_id] = turn
         return turn
 
+    async def compress(self, conv_id: str, *, pending: bool) -> dict:
+        """Compress one conversation: the `compression` event's data plus the stored `notice`.
+
+        A no-op (folded 0, no notice) when nothing is old enough. `pending`: the last message is
+        the one being answered. The summarizer's call is charged to the conversation like a
+        turn's, and counted apart as compression cost.
+        """
+        result = await context.compress(self.store.get(conv_id), self.settings, self._summarize, pending=pending)
+        if not result.history:
+            return result.event(0)
+        # Memory is read only now, with no await before the write: another conversation may
+        # have added facts while the summarizer ran.
+        memory, added = context.merge_facts(self.store.read_memory(), list(result.facts))
+        if added:
+            self.store.write_memory(memory)
+        data = result.event(added)
+        notice = result.notice(data)
+
+        def store(c: dict) -> None:
+            result.apply(c, notice, pending=pending)
+            totals = c["totals"]
+            totals["compression_calls"] += 1
+            if result.usage is not None:
+                add_usage(totals, result.usage)
+                totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
+
+        self.store.update(conv_id, store)
+        return {**data, "notice": notice}
+
+    async def compress_now(self, conv_id: str) -> dict:
+        """Compress now (whatever the budget), with the conversation claimed as a turn would claim it."""
+        if conv_id in self.active:
+            raise TurnBusy(conv_id)
+        claim = Turn(conv_id, self.store.get(conv_id)["model"], None)
+        self.active[conv_id] = claim
+        try:
+            return await self.compress(conv_id, pending=False)
+        finally:
+            if self.active.get(conv_id) is claim:
+                del self.active[conv_id]
+
+    async def _summarize(self, messages: list[dict]) -> tuple[str, str, dict | None]:
+        """One non-streamed call to SUMMARIZER_MODEL, capped at SUMMARY_MAX_TOKENS."""
+        model = self.settings.summarizer_model
+        body = chat.build_body(model, [], messages, max_tokens=self.settings.summary_max_tokens,
+                               params=self.settings.params_for(model), stream=False)
+        return await chat.complete(self.client, self.gateway.url("/v1/chat/completions"), body,
+                                   chat.auth_headers(self.gateway.api_key))
+
     def abandon(self, turn: Turn) -> None:
         """Release a turn whose stream never ran (the client left before the first byte)."""
         if self.active.get(turn.conv_id) is turn and not turn.saved:
@@ -158,13 +208,34 @@ class Turns:
         try:
             yield frame("start", start)
             conv = self.store.get(turn.conv_id)
-            prompt = context.build_prompt(conv, self.store.read_memory(), self.settings, today=dt.date.today())
-            turn.sent_floor = context.count_tokens(prompt.text())
-            async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
-                async for event in events:
-                    accumulate(reply, event)
-                    if (out := event_frame(event)) is not None:
-                        yield out
+            if context.project(conv, self.store.read_memory(), self.settings) > context.budget_of(conv, self.settings):
+                outcome = await self.compress(turn.conv_id, pending=True)
+                yield frame("compression", outcome) if outcome["folded"] or outcome["dropped"] else frame(
+                    "warning", {"code": "over_budget", "message": "This conversation is over its context budget, "
+                                "but nothing is old enough to fold: the most recent messages are kept verbatim."})
+            healed = False
+            while True:
+                conv = self.store.get(turn.conv_id)
+                prompt = context.build_prompt(conv, self.store.read_memory(), self.settings, today=dt.date.today(),
+                                              tool_instructions=tools.instructions(conv["settings"], self.settings))
+                turn.sent_floor = context.count_tokens(prompt.text())
+                try:
+                    async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
+                        async for event in events:
+                            accumulate(reply, event)
+                            if (out := event_frame(event)) is not None:
+                                yield out
+                    break
+                except UpstreamError as failure:
+                    # An overflow before the first token means our projection fell short: compress
+                    # and retry once. If nothing could be folded, a retry would overflow the same way.
+                    if failure.kind != "context_overflow" or reply.has_output or healed:
+                        raise
+                    healed = True
+                    outcome = await self.compress(turn.conv_id, pending=True)
+                    if not (outcome["folded"] or outcome["dropped"]):
+                        raise
+                    yield frame("compression", outcome)
             if reply.finish_reason in ("length", "max_tokens"):
                 yield frame("warning", {
                     "code": "max_tokens",
@@ -184,12 +255,41 @@ class Turns:
             self.active.pop(turn.conv_id, None)
 
     def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
+        """Turns with web tools go to /v1/messages, the only endpoint that shows the searches."""
+        names = tools.enabled(conv["settings"], self.settings)
+        if names:
+            return self._tool_transport(turn, conv, prompt, names)
+        return self._chat_transport(turn, prompt)
+
+    def _chat_transport(self, turn: Turn, prompt: context.Prompt) -> AsyncIterator[Event]:
         body = chat.build_body(
             turn.model, prompt.system, prompt.messages,
             max_tokens=self.settings.max_completion_tokens, params=self.settings.params_for(turn.model),
         )
         return chat.stream(self.client, self.gateway.url("/v1/chat/completions"), body,
                            chat.auth_headers(self.gateway.api_key))
+
+    async def _tool_transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
+                              names: list[str]) -> AsyncIterator[Event]:
+        """A tool turn; when the gateway rejects every tool, the turn is answered as a chat turn."""
+        try:
+            async with contextlib.aclosing(tools.stream(
+                self.client, self.gateway.url("/v1/messages"), model=turn.model,
+                system=prompt.system, messages=prompt.messages,
+                tools=tools.declarations(names, self.settings), api_key=self.gateway.api_key,
+                max_tokens=self.settings.max_completion_tokens, pause_turn_max=self.settings.pause_turn_max,
+            )) as events:
+                async for event in events:
+                    yield event
+            return
+        except tools.ToolsRejected as rejected:
+            yield rejected.warning
+        # Without tools the budget sentence would promise searches the model cannot make.
+        sentence = (tools.instructions(conv["settings"], self.settings) or "").strip()
+        plain = context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
+        async with contextlib.aclosing(self._chat_transport(turn, plain)) as events:
+            async for event in events:
+                yield event
 
     def _fail(self, turn: Turn, failure: UpstreamError) -> dict:
         """Save or roll back, then the `error` frame that ends the stream."""

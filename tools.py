@@ -1,0 +1,332 @@
+"""The `/v1/messages` wire format (Anthropic Messages) for turns with the gateway's web tools.
+
+Promises: given the system blocks and messages `context.build_prompt` laid out and the server
+tools a conversation has switched on, one continuous stream of `events` values for the whole
+turn, however many times the gateway paused it (`pause_turn` is resent with every block
+received so far, at most PAUSE_TURN_MAX times), with usage summed over the continuations into
+one Anthropic-dialect `UsageReport`. A tool the gateway rejects outright (HTTP 4xx naming it) is dropped and the
+request sent once more without it, announced by a `tool_dropped` warning; when no tool is left
+`ToolsRejected` is raised and the caller answers without tools (turns.py sends such a turn
+to chat completions, the path every tool-less turn takes). Everything else fails as
+`failures.UpstreamError`, classified exactly as on chat turns. Closing the stream (Stop)
+closes the upstream socket.
+
+It does not know conversations, the prompt's layout (`context.py`), how events are shown or
+saved (`turns.py`), or how to run a tool: the gateway runs search and fetch, and this module
+only reports what the gateway says it did.
+
+Deliberately not sent: per-model extra params (`settings.params_for`). They are
+chat-completions params (`reasoning_effort`), and a strict Messages endpoint answers an unknown
+top-level field with a 400 that would kill the tool turn. The Messages default (no extended
+thinking) is already the cheap setting those params ask for.
+Not requested either: citations for fetched pages (`char_location` entries carry no URL), so
+citation chips come from search results; pages read still show in the trail.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+
+import chat
+from config import Settings
+from events import (
+    CitationFound, Event, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta,
+    UsageReport, Warning,
+)
+from failures import UpstreamError, classify_finish, classify_stream_error
+from sse import SSERecord
+
+ANTHROPIC_VERSION = "2023-06-01"
+# The first web fetch version sat behind a beta flag; later versions need none (PROTOCOLS.md B).
+BETA_FLAGS = {"web_fetch_20250910": "web-fetch-2025-09-10"}
+TOOL_LABELS = {"web_search": "web search", "web_fetch": "web fetch"}
+# Statuses with which a gateway turns down a request it will not run as declared.
+_REJECTING_STATUSES = (400, 403, 404, 422)
+
+
+class ToolsRejected(Exception):
+    """The gateway turned down every declared tool; the turn must be answered without tools."""
+
+    def __init__(self, names: list[str], failure: UpstreamError) -> None:
+        super().__init__(failure.message)
+        self.names = names
+        self.failure = failure
+
+    @property
+    def warning(self) -> Warning:
+        return dropped_warning(self.names, self.failure)
+
+
+def enabled(conv_settings: dict, settings: Settings) -> list[str]:
+    """The server tools this conversation uses: switched on (the default) and with uses left."""
+    limits = {"web_search": settings.search_max_uses, "web_fetch": settings.fetch_max_uses}
+    return [name for name, limit in limits.items() if conv_settings.get(name, True) and limit > 0]
+
+
+def instructions(conv_settings: dict, settings: Settings) -> str | None:
+    """The budget sentence for the system blocks, only when a tool turn will be sent."""
+    return conv_settings.get("tool_instructions") if enabled(conv_settings, settings) else None
+
+
+def declarations(names: list[str], settings: Settings) -> list[dict]:
+    """Tool declarations; the type names come from config, so a gateway's own names are one line."""
+    kinds = {
+        "web_search": (settings.web_search_tool_type, settings.search_max_uses),
+        "web_fetch": (settings.web_fetch_tool_type, settings.fetch_max_uses),
+    }
+    return [{"type": kinds[name][0], "name": name, "max_uses": kinds[name][1]} for name in names]
+
+
+def build_body(model: str, system: list[dict], messages: list[dict], tools: list[dict], *,
+               max_tokens: int, received: list[dict] | None = None) -> dict:
+    """The request; after a pause, the same request plus one assistant message of the blocks so far."""
+    if received:
+        messages = [*messages, {"role": "assistant", "content": list(received)}]
+    return {"model": model, "max_tokens": max_tokens, "stream": True, "system": system,
+            "messages": messages, "tools": tools}
+
+
+def request_headers(api_key: str | None, tools: list[dict]) -> dict:
+    headers = {"anthropic-version": ANTHROPIC_VERSION, "content-type": "application/json"}
+    if api_key:
+        # Anthropic reads x-api-key; OpenAI-style gateways read the bearer token.
+        headers["x-api-key"] = api_key
+        headers.update(chat.auth_headers(api_key))
+    flags = sorted({BETA_FLAGS[t["type"]] for t in tools if t["type"] in BETA_FLAGS})
+    if flags:
+        headers["anthropic-beta"] = ",".join(flags)
+    return headers
+
+
+def rejected_tools(failure: UpstreamError, tools: list[dict]) -> list[dict]:
+    """The declared tools an HTTP refusal names (a key without fetch, an unknown tool type...)."""
+    if failure.status not in _REJECTING_STATUSES:
+        return []
+    text = failure.message.lower()
+    return [
+        t for t in tools
+        if t["name"] in text or t["type"].lower() in text or TOOL_LABELS[t["name"]] in text
+    ]
+
+
+def dropped_warning(names: list[str], failure: UpstreamError) -> Warning:
+    what = " and ".join(TOOL_LABELS[n] for n in names)
+    reason = failure.message if len(failure.message) <= 200 else failure.message[:199] + "…"
+    return Warning("tool_dropped",
+                   f"The gateway rejected {what} ({reason}); this turn is answered without it.")
+
+
+class Decoder:
+    """One Messages response: SSE records in, events out, blocks kept verbatim for a resend.
+
+    `tool_inputs` (server tool id -> input) is shared across a turn's continuations, so a
+    result can be matched to its query even when the pause fell between the two.
+    """
+
+    def __init__(self, tool_inputs: dict[str, dict] | None = None) -> None:
+        self.tool_inputs = {} if tool_inputs is None else tool_inputs
+        self.usage: dict = {}
+        self.stop_reason: str | None = None
+        self.stop_detail = ""
+        self.stopped = False
+        self._blocks: dict[int, dict] = {}
+        self._partial_json: dict[int, str] = {}
+
+    @property
+    def blocks(self) -> list[dict]:
+        return [self._blocks[i] for i in sorted(self._blocks)]
+
+    def feed(self, record: SSERecord) -> list[Event]:
+        if record.data in ("", "[DONE]"):
+            return []
+        try:
+            obj = json.loads(record.data)
+        except ValueError:
+            raise UpstreamError("upstream", "The gateway sent a malformed stream event.") from None
+        if not isinstance(obj, dict):
+            raise UpstreamError("upstream", "The gateway sent a malformed stream event.")
+        kind = obj.get("type") or record.event
+        # `event: error`, and older LiteLLM proxies' bare `data: {"error": ...}` with no event line.
+        if record.event == "error" or kind == "error" or obj.get("error"):
+            raise classify_stream_error(obj)
+        match kind:
+            case "message_start":
+                self.usage = _merge(self.usage, (obj.get("message") or {}).get("usage") or {})
+            case "content_block_start":
+                return self._start(obj.get("index", 0), copy.deepcopy(obj.get("content_block") or {}))
+            case "content_block_delta":
+                return self._delta(obj.get("index", 0), obj.get("delta") or {})
+            case "content_block_stop":
+                return self._stop(obj.get("index", 0))
+            case "message_delta":
+                delta = obj.get("delta") or {}
+                self.stop_reason = delta.get("stop_reason") or self.stop_reason
+                details = delta.get("stop_details") or {}
+                if isinstance(details, dict):
+                    self.stop_detail = str(details.get("explanation") or details.get("category") or "")
+                # Cumulative counts: later values replace earlier ones.
+                self.usage = _merge(self.usage, obj.get("usage") or {})
+            case "message_stop":
+                self.stopped = True
+        return []
+
+    def _start(self, index: int, block: dict) -> list[Event]:
+        self._blocks[index] = block
+        match block.get("type"):
+            case "text":
+                # Gateways that do not stream a block may put all of it in the start event.
+                events: list[Event] = [TextDelta(block["text"])] if block.get("text") else []
+                return events + [c for c in map(_citation, block.get("citations") or []) if c]
+            case "thinking":
+                return [ReasoningDelta(block["thinking"])] if block.get("thinking") else []
+            case "server_tool_use" | "tool_use":
+                self._partial_json[index] = ""
+            case "web_search_tool_result":
+                return [self._search_results(block)]
+            case "web_fetch_tool_result":
+                return [self._fetch_result(block)]
+        return []
+
+    def _delta(self, index: int, delta: dict) -> list[Event]:
+        block = self._blocks.setdefault(index, {})
+        match delta.get("type"):
+            case "text_delta":
+                block["text"] = block.get("text", "") + delta.get("text", "")
+                return [TextDelta(delta["text"])] if delta.get("text") else []
+            case "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + delta.get("thinking", "")
+                return [ReasoningDelta(delta["thinking"])] if delta.get("thinking") else []
+            case "signature_delta":
+                block["signature"] = (block.get("signature") or "") + delta.get("signature", "")
+            case "input_json_delta":
+                self._partial_json[index] = self._partial_json.get(index, "") + delta.get("partial_json", "")
+            case "citations_delta":
+                citation = delta.get("citation") or {}
+                block["citations"] = [*(block.get("citations") or []), citation]
+                return [c] if (c := _citation(citation)) else []
+        return []
+
+    def _stop(self, index: int) -> list[Event]:
+        block = self._blocks.get(index, {})
+        if block.get("type") not in ("server_tool_use", "tool_use"):
+            return []
+        # The input arrives as JSON pieces; only the whole of it parses.
+        raw = self._partial_json.pop(index, "")
+        if raw.strip():
+            try:
+                block["input"] = json.loads(raw)
+            except ValueError:
+                raise UpstreamError("upstream", "The gateway sent a malformed tool input.") from None
+        tool_input = block.get("input") if isinstance(block.get("input"), dict) else {}
+        self.tool_inputs[block.get("id", "")] = tool_input
+        if block.get("name") == "web_search":
+            return [SearchStarted(str(tool_input.get("query", "")))]
+        return []
+
+    def _search_results(self, block: dict) -> SearchResults:
+        query = str(self.tool_inputs.get(block.get("tool_use_id", ""), {}).get("query", ""))
+        content = block.get("content")
+        if not isinstance(content, list):
+            # web_search_tool_result_error: still HTTP 200 and the turn goes on; a step, not a crash.
+            code = content.get("error_code") if isinstance(content, dict) else None
+            return SearchResults(query, None, str(code or "unavailable"))
+        results = []
+        for item in content:
+            if isinstance(item, dict) and item.get("url"):
+                result = {"url": item["url"], "title": item.get("title") or item["url"]}
+                if item.get("page_age"):
+                    result["page_age"] = item["page_age"]
+                results.append(result)
+        return SearchResults(query, results)
+
+    def _fetch_result(self, block: dict) -> FetchDone:
+        asked = str(self.tool_inputs.get(block.get("tool_use_id", ""), {}).get("url", ""))
+        content = block.get("content") if isinstance(block.get("content"), dict) else {}
+        if content.get("type") == "web_fetch_result":
+            document = content.get("content") if isinstance(content.get("content"), dict) else {}
+            return FetchDone(str(content.get("url") or asked), document.get("title"), True)
+        # Both `web_fetch_tool_result_error` and the docs' `web_fetch_tool_error` land here.
+        return FetchDone(asked, None, False, str(content.get("error_code") or "unavailable"))
+
+
+def _citation(citation: object) -> CitationFound | None:
+    """A citation the page can link (search result locations carry the URL)."""
+    if isinstance(citation, dict) and isinstance(citation.get("url"), str):
+        return CitationFound(citation["url"], str(citation.get("title") or citation["url"]))
+    return None
+
+
+def _merge(old: dict, new: dict) -> dict:
+    """`old` updated by `new`, nested dicts merged (message_delta may repeat only some counts)."""
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def add_usage(total: dict, part: dict) -> dict:
+    """Two responses' usage summed (numbers added, nested counts too, other fields from `part`)."""
+    out = dict(total)
+    for key, value in part.items():
+        old = out.get(key)
+        if isinstance(value, dict):
+            out[key] = add_usage(old if isinstance(old, dict) else {}, value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(old, (int, float)):
+            out[key] = old + value
+        else:
+            out[key] = value
+    return out
+
+
+async def stream(client: httpx.AsyncClient, url: str, *, model: str, system: list[dict],
+                 messages: list[dict], tools: list[dict], api_key: str | None, max_tokens: int,
+                 pause_turn_max: int) -> AsyncIterator[Event]:
+    """Events of one tool turn across its continuations, ending with `Finished`, or an error."""
+    received: list[dict] = []
+    tool_inputs: dict[str, dict] = {}
+    usage: dict = {}
+    for continuation in range(pause_turn_max + 1):
+        body = build_body(model, system, messages, tools, max_tokens=max_tokens, received=received)
+        try:
+            response = await chat.open_stream(client, url, body, request_headers(api_key, tools))
+        except UpstreamError as failure:
+            # Only the first request may drop a tool: a continuation must resend what was run.
+            dropped = rejected_tools(failure, tools) if continuation == 0 else []
+            if not dropped:
+                raise
+            tools = [t for t in tools if t not in dropped]
+            if not tools:
+                raise ToolsRejected([t["name"] for t in dropped], failure) from failure
+            yield dropped_warning([t["name"] for t in dropped], failure)
+            body = build_body(model, system, messages, tools, max_tokens=max_tokens)
+            response = await chat.open_stream(client, url, body, request_headers(api_key, tools))
+        decoder = Decoder(tool_inputs)
+        try:
+            async for record in chat.records(response):
+                for event in decoder.feed(record):
+                    yield event
+                if decoder.stopped:
+                    break
+        finally:
+            await chat.close_quietly(response)
+        if not decoder.stopped:
+            raise UpstreamError("upstream", "The gateway's stream ended before the reply was finished.")
+        if decoder.usage:
+            usage = add_usage(usage, decoder.usage)
+            yield UsageReport(usage)
+        # Messages rejects an empty text block, so one that only opened a citation is not resent.
+        received += [b for b in decoder.blocks if not (b.get("type") == "text" and not b.get("text"))]
+        if decoder.stop_reason != "pause_turn":
+            break
+    else:
+        yield Warning("pause_turn_limit",
+                      f"The gateway kept pausing this turn after {pause_turn_max} continuations "
+                      "(PAUSE_TURN_MAX), so the reply was cut here. Ask it to go on.")
+    reason = decoder.stop_reason or "end_turn"
+    yield Finished(reason)
+    if (failure := classify_finish(reason, decoder.stop_detail)) is not None:
+        raise failure
