@@ -62,7 +62,7 @@ class CitationFound:
 
 @dataclass(frozen=True, slots=True)
 class UsageReport:
-    """Usage exactly as the vendor reported it; `context.normalize_usage` reads every dialect."""
+    """One request's usage exactly as the vendor reported it; `context.normalize_usage` reads every dialect."""
 
     raw: dict
     type: Literal["usage"] = "usage"
@@ -97,7 +97,8 @@ class Reply:
     reasoning: str = ""
     activity: list[dict] = field(default_factory=list)
     citations: list[dict] = field(default_factory=list)
-    usage_raw: dict | None = None
+    # One raw usage per upstream request: a paused tool turn makes several.
+    usages: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     searches: int = 0
     fetches: int = 0
@@ -161,7 +162,7 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
             ):
                 reply.citations.append({"url": url, "title": title})
         case UsageReport(raw=raw):
-            reply.usage_raw = raw
+            reply.usages.append(raw)
         case Finished(reason=reason):
             reply.finish_reason = reason
         case Warning():

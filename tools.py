@@ -3,8 +3,8 @@
 Promises: given the system blocks and messages `context.build_prompt` laid out and the server
 tools a conversation has switched on, one continuous stream of `events` values for the whole
 turn, however many times the gateway paused it (`pause_turn` is resent with every block
-received so far, at most PAUSE_TURN_MAX times), with usage summed over the continuations into
-one Anthropic-dialect `UsageReport`. A tool the gateway rejects outright (HTTP 4xx naming it) is dropped and the
+received so far, at most PAUSE_TURN_MAX times), with one Anthropic-dialect `UsageReport`
+per request (the turn sums them for the bill and keeps the last as the prompt size). A tool the gateway rejects outright (HTTP 4xx naming it) is dropped and the
 request sent once more without it, announced by a `tool_dropped` warning; when no tool is left
 `ToolsRejected` is raised and the caller answers without tools (turns.py sends such a turn
 to chat completions, the path every tool-less turn takes). Everything else fails as
@@ -268,27 +268,12 @@ def _merge(old: dict, new: dict) -> dict:
     return out
 
 
-def add_usage(total: dict, part: dict) -> dict:
-    """Two responses' usage summed (numbers added, nested counts too, other fields from `part`)."""
-    out = dict(total)
-    for key, value in part.items():
-        old = out.get(key)
-        if isinstance(value, dict):
-            out[key] = add_usage(old if isinstance(old, dict) else {}, value)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(old, (int, float)):
-            out[key] = old + value
-        else:
-            out[key] = value
-    return out
-
-
 async def stream(client: httpx.AsyncClient, url: str, *, model: str, system: list[dict],
                  messages: list[dict], tools: list[dict], api_key: str | None, max_tokens: int,
                  pause_turn_max: int) -> AsyncIterator[Event]:
     """Events of one tool turn across its continuations, ending with `Finished`, or an error."""
     received: list[dict] = []
     tool_inputs: dict[str, dict] = {}
-    usage: dict = {}
     for continuation in range(pause_turn_max + 1):
         body = build_body(model, system, messages, tools, max_tokens=max_tokens, received=received)
         try:
@@ -316,8 +301,7 @@ async def stream(client: httpx.AsyncClient, url: str, *, model: str, system: lis
         if not decoder.stopped:
             raise UpstreamError("upstream", "The gateway's stream ended before the reply was finished.")
         if decoder.usage:
-            usage = add_usage(usage, decoder.usage)
-            yield UsageReport(usage)
+            yield UsageReport(decoder.usage)
         # Messages rejects an empty text block, so one that only opened a citation is not resent.
         received += [b for b in decoder.blocks if not (b.get("type") == "text" and not b.get("text"))]
         if decoder.stop_reason != "pause_turn":

@@ -108,6 +108,19 @@ def add_usage(totals: dict, usage: dict) -> None:
         totals["cost"] = round(totals["cost"] + usage["cost"], 10)
 
 
+def combined(reports: list[dict]) -> dict:
+    """Usage records of one reply's requests, summed; a cost missing from any is unreported."""
+    if len(reports) == 1:
+        return reports[0]
+    total = dict(reports[0])
+    for report in reports[1:]:
+        for key in ("input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "searches", "fetches"):
+            total[key] += report[key]
+        total["cost"] = None if total["cost"] is None or report["cost"] is None else total["cost"] + report["cost"]
+        total["estimated"] = total["estimated"] or report["estimated"]
+    return total
+
+
 class Turns:
     """Runs turns against one gateway; remembers which conversations are streaming."""
 
@@ -327,7 +340,9 @@ class Turns:
         reply = turn.reply
         if not reply.has_output:
             return None
-        usage = context.normalize_usage(reply.usage_raw, sent_floor=turn.sent_floor, output_text=reply.text)
+        reports = [context.normalize_usage(raw, sent_floor=turn.sent_floor) for raw in reply.usages] or [
+            context.normalize_usage(None, sent_floor=turn.sent_floor, output_text=reply.text)]
+        usage = combined(reports)
         usage["searches"] = max(usage["searches"], reply.searches)
         usage["fetches"] = max(usage["fetches"], reply.fetches)
         message = {
@@ -343,7 +358,8 @@ class Turns:
             add_usage(c["totals"], usage)
             c["totals"]["turns"] += 1
             if not usage["estimated"]:
-                c["last_prompt_tokens"] = usage["input_tokens"]
+                # The last request of a paused turn carried the whole prompt; the sum is the bill.
+                c["last_prompt_tokens"] = reports[-1]["input_tokens"]
 
         try:
             self.store.update(turn.conv_id, append)

@@ -187,6 +187,8 @@ async def test_pause_turn_resends_the_blocks_as_one_assistant_message_and_joins_
     stored = await api.get(conv["id"])
     assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
     assert stored["messages"][-1]["content"] == "Part one. Part two."
+    # The bill is the sum, but the next projection starts from the last request's prompt only.
+    assert stored["last_prompt_tokens"] == 1300 and stored["totals"]["input_tokens"] == 2300
 
 
 async def test_pause_turn_is_continued_at_most_pause_turn_max_times(api, sim, conv):
