@@ -20,8 +20,9 @@ from sse_starlette import EventSourceResponse
 
 import context
 from config import ROOT, ModelInfo, Settings, get_settings
-from schemas import ConversationCreate, ConversationPatch, Empty, MemoryPut, MessageCreate, ModelCreate
-from security import Guard
+from failures import keep_secret
+from schemas import ConversationCreate, ConversationPatch, Empty, Login, MemoryPut, MessageCreate, ModelCreate
+from security import TOKEN_COOKIE, Guard, login_cookie, token_matches
 from storage import Damaged, NotFound, Store, new_id, now_iso
 from turns import Gateway, NothingToAnswer, Turn, TurnBusy, Turns
 
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         demo = None
         if active.gateway_configured:
             gateway = Gateway(active.gateway_base_url, active.gateway_api_key, demo=False)
+            keep_secret(active.gateway_api_key)  # gateways echo it in error bodies; it never goes further
         else:
             from simulator import GatewaySimulator
 
@@ -162,6 +164,18 @@ def install_routes(app: FastAPI) -> None:
     async def healthz(state: StateDep) -> dict:
         configured = state.settings.gateway_configured
         return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo"}
+
+    @app.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})
+    async def login(body: Login, state: StateDep) -> Response:
+        """Trade ACCESS_TOKEN for an HttpOnly, SameSite=Strict cookie the page sends from then on."""
+        token = state.settings.access_token
+        if token is None:
+            return Response(status_code=204)  # nothing to log in to
+        if not token_matches(body.token, token):
+            return JSONResponse({"detail": "wrong access token"}, status_code=401)
+        response = Response(status_code=204)
+        response.set_cookie(TOKEN_COOKIE, login_cookie(token), httponly=True, samesite="strict", path="/")
+        return response
 
     @app.get("/api/models")
     async def list_models(state: StateDep) -> dict:

@@ -54,6 +54,8 @@ DIALECTS = frozenset({"openai", "openrouter", "litellm", "deepseek", "vllm", "an
 # reads AND writes in the details, and always sent (OpenRouter ignores include_usage).
 AUTO_DIALECT = "openrouter"
 MAX_CACHE_MARKERS = 4
+# Anthropic checks for a hit at each breakpoint and at about 20 block boundaries before it.
+LOOKBACK_BLOCKS = 20
 ONE_HOUR = 3600.0
 
 _TO_MESSAGES_STOP = {"stop": "end_turn", "length": "max_tokens", "content_filter": "refusal",
@@ -469,18 +471,23 @@ def _without_marker(part: object) -> object:
     return part
 
 
+def _text_blocks(content: object) -> list:
+    """Content as blocks: a provider reads a plain string as one text block, byte for byte."""
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+
+
 def _prompt_blocks(body: Mapping) -> Iterator[tuple[bytes, int, dict | None]]:
     """Yield (canonical bytes, tokens, cache_control) for each block, in provider cache order.
 
     The order is tools, then Messages' top-level `system`, then each message's fields and content
     parts (chat puts its system parts inside `messages`). `cache_control` never changes a
-    block's bytes: moving a marker does not invalidate content.
+    block's bytes: moving a marker does not invalidate content, and a message sent as a plain
+    string one turn and as a marked text part the next is the same prefix.
     """
     for tool in body.get("tools") or []:
         canonical = _canonical(_without_marker(tool))
         yield canonical, estimate_tokens(canonical.decode()), _marker(tool)
-    system = body.get("system")
-    for part in [system] if isinstance(system, str) else system or []:
+    for part in _text_blocks(body.get("system")):
         yield _canonical(_without_marker(part)), _part_tokens(part), _marker(part)
     for message in body.get("messages") or []:
         if not isinstance(message, dict):
@@ -488,8 +495,7 @@ def _prompt_blocks(body: Mapping) -> Iterator[tuple[bytes, int, dict | None]]:
         head = {k: v for k, v in message.items() if k != "content"}
         extra = _canonical({k: v for k, v in head.items() if k != "role"}).decode() if len(head) > 1 else ""
         yield _canonical(head), _MESSAGE_OVERHEAD + (estimate_tokens(extra) if extra else 0), None
-        content = message.get("content")
-        for part in [content] if isinstance(content, str) else content or []:
+        for part in _text_blocks(message.get("content")):
             yield _canonical(_without_marker(part)), _part_tokens(part), _marker(part)
 
 
@@ -521,34 +527,43 @@ def cache_account(body: Mapping, now: float, cache: Mapping[str, float] | None =
                   min_tokens: int = 1024, default_ttl: float = 300.0) -> CacheAccount:
     """Account one request against `cache` (prefix digest -> expiry) the way an explicit-marker provider does.
 
-    Each `cache_control` block (the first four only) ends a prefix, hashed with the model. The
-    longest live prefix of at least `min_tokens` is read; the tokens after it up to the last
-    marker are written, if that marker's prefix is at least `min_tokens`. Pure: the new cache
-    state comes back in `entries`.
+    Each `cache_control` block (the first four only) ends a prefix, hashed with the model. As
+    Anthropic does, a marker finds a hit at its own block boundary or at any of the
+    `LOOKBACK_BLOCKS` boundaries before it, so last turn's entry is found when this turn's
+    marker sits two messages later. The longest live prefix of at least `min_tokens` is read
+    (and its TTL refreshed); the tokens after it up to the last marker are written, if that
+    marker's prefix is at least `min_tokens`. Pure: the new cache state comes back in `entries`.
     """
     cache = cache or {}
     digest = hashlib.sha256(_canonical(body.get("model")))
     total = 0
+    boundaries: list[tuple[str, int]] = []  # (prefix digest, tokens) after each block
     markers: list[tuple[str, int, float]] = []
+    candidates: dict[int, float] = {}  # boundary index -> TTL of the marker that looks back at it
     for canonical, tokens, marker in _prompt_blocks(body):
         digest.update(b"\x00" + canonical)
         total += tokens
+        boundaries.append((digest.hexdigest(), total))
         if marker is not None and len(markers) < MAX_CACHE_MARKERS:
             ttl = ONE_HOUR if marker.get("ttl") == "1h" else default_ttl
             markers.append((digest.hexdigest(), total, ttl))
-    live = [i for i, (key, tokens, _) in enumerate(markers)
-            if tokens >= min_tokens and cache.get(key, float("-inf")) > now]
-    read_upto = live[-1] if live else -1
-    read = markers[read_upto][1] if live else 0
+            for i in range(max(0, len(boundaries) - LOOKBACK_BLOCKS), len(boundaries)):
+                candidates.setdefault(i, ttl)
+    hits = [(boundaries[i][1], boundaries[i][0], ttl) for i, ttl in candidates.items()
+            if boundaries[i][1] >= min_tokens and cache.get(boundaries[i][0], float("-inf")) > now]
+    read, read_key, read_ttl = max(hits) if hits else (0, None, 0.0)
     write = write_1h = 0
     if markers and markers[-1][1] >= min_tokens:
         previous = read
-        for _, tokens, ttl in markers[read_upto + 1:]:
-            write += tokens - previous
-            write_1h += tokens - previous if ttl == ONE_HOUR else 0
-            previous = tokens
+        for _, tokens, ttl in markers:
+            if tokens > previous:
+                write += tokens - previous
+                write_1h += tokens - previous if ttl == ONE_HOUR else 0
+                previous = tokens
+    entries = {read_key: now + read_ttl} if read_key else {}
+    entries.update({key: now + ttl for key, tokens, ttl in markers if tokens >= min_tokens})
     return CacheAccount(prompt_tokens=total + _REPLY_PRIMING, read=read, write=write, write_1h=write_1h,
-                        entries={key: now + ttl for key, tokens, ttl in markers if tokens >= min_tokens})
+                        entries=entries)
 
 
 @dataclass
