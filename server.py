@@ -151,7 +151,7 @@ def install_routes(app: FastAPI) -> None:
         message = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in errors)
         return JSONResponse({"detail": message or "invalid request", "errors": errors}, status_code=422)
 
-    app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
+    app.mount("/static", RevalidatedStatic(directory=STATIC, check_dir=False), name="static")
 
     @app.get("/", include_in_schema=False)
     async def page() -> Response:
@@ -303,6 +303,15 @@ def install_routes(app: FastAPI) -> None:
     async def compress(conv_id: str, state: StateDep, body: Empty | None = None) -> dict:
         """Compress now, whatever the budget: the `compression` event's data (folded 0 when nothing is old enough)."""
         return await state.turns.compress_now(conv_id)
+
+
+class RevalidatedStatic(StaticFiles):
+    """The page's modules, revalidated on every load so an upgrade never mixes old and new files."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
 
 
 class TurnResponse(EventSourceResponse):

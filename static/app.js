@@ -1,0 +1,879 @@
+// The page controller: conversations, the composer, turns (stream, Stop, Regenerate), failures and
+// their actions, the header meters. Rendering lives in views.js/activity.js/markdown.js, the wire in
+// api.js/sse.js; this module decides what happens when.
+
+import { api, ApiError, openTurn } from "./api.js";
+import { readEvents } from "./sse.js";
+import { SettingsPanel, tierLabel } from "./settings.js";
+import {
+  AssistantView, cachedPercent, describeCompression, formatCost, formatTokens,
+  renderNotice, renderUser,
+} from "./views.js";
+
+const $ = (id) => document.getElementById(id);
+
+const el = {
+  app: $("app"),
+  sidebarToggle: $("sidebar-toggle"),
+  scrim: $("scrim"),
+  list: $("conversation-list"),
+  title: $("conv-title"),
+  picker: $("model-picker"),
+  usage: $("usage-header"),
+  contextBar: $("context-bar"),
+  compressNow: $("compress-now"),
+  transcript: $("transcript"),
+  messages: $("messages"),
+  failure: $("failure"),
+  form: $("composer-form"),
+  composer: $("composer"),
+  send: $("send"),
+  banner: $("demo-banner"),
+  toast: $("toast"),
+};
+
+const state = {
+  health: null,
+  models: null,
+  modelIndex: new Map(),
+  presets: [],
+  conversations: [],
+  conv: null,
+  // The turn streaming now: {convId, controller, view, userEl}.
+  turn: null,
+  // The failure line under the transcript: an error event's data plus what a retry resends.
+  failure: null,
+  countdown: null,
+};
+
+const settings = new SettingsPanel({
+  conversation: () => state.conv,
+  conversationChanged: (conv) => {
+    state.conv = conv;
+    renderHeader();
+  },
+  models: () => state.models,
+  modelsChanged: loadModels,
+  presets: () => state.presets,
+  health: () => state.health,
+  memoryChanged: () => refresh({ transcript: false }),
+});
+
+// ---------------------------------------------------------------- drafts
+
+const draftKey = (id) => `draft:${id}`;
+
+function saveDraft() {
+  if (!state.conv) return;
+  const text = el.composer.value;
+  if (text) localStorage.setItem(draftKey(state.conv.id), text);
+  else localStorage.removeItem(draftKey(state.conv.id));
+}
+
+function setComposer(text) {
+  el.composer.value = text;
+  saveDraft();
+  autosize();
+}
+
+/** Put a rolled-back message back in its conversation's composer, keeping anything typed since. */
+function returnDraft(convId, text) {
+  const open = state.conv?.id === convId;
+  const current = open ? el.composer.value : localStorage.getItem(draftKey(convId)) || "";
+  const merged = current.trim() && current.trim() !== text.trim() ? `${text}\n\n${current}` : text;
+  if (!open) {
+    localStorage.setItem(draftKey(convId), merged);
+    return;
+  }
+  setComposer(merged);
+  el.composer.focus();
+}
+
+function autosize() {
+  el.composer.style.height = "auto";
+  el.composer.style.height = `${Math.min(el.composer.scrollHeight, window.innerHeight * 0.4)}px`;
+}
+
+// ---------------------------------------------------------------- loading
+
+async function loadModels() {
+  state.models = await api.models();
+  state.modelIndex = new Map(state.models.tiers.flatMap((t) => t.models.map((m) => [m.id, m])));
+  renderPicker();
+}
+
+async function loadList() {
+  state.conversations = await api.conversations();
+  renderList();
+}
+
+/** Re-read the open conversation (and the list) from the server, the source of truth. */
+async function refresh({ transcript = true } = {}) {
+  if (!state.conv) return;
+  const id = state.conv.id;
+  const [conv] = await Promise.all([api.conversation(id), loadList()]);
+  if (state.conv?.id !== id) return;
+  state.conv = conv;
+  renderHeader();
+  if (transcript) renderTranscript();
+}
+
+async function openConversation(id) {
+  if (id === state.conv?.id) {
+    closeSidebar();
+    return;
+  }
+  // Leaving a conversation mid-reply stops the reply, as closing the tab would.
+  if (state.turn) stop();
+  clearFailure();
+  const conv = await api.conversation(id);
+  state.conv = conv;
+  history.replaceState(null, "", `#${encodeURIComponent(id)}`);
+  el.composer.value = localStorage.getItem(draftKey(id)) || "";
+  autosize();
+  renderHeader();
+  renderTranscript();
+  renderList();
+  closeSidebar();
+  scrollToBottom(true);
+}
+
+async function newConversation() {
+  const conv = await api.createConversation({ model: el.picker.value || undefined });
+  await loadList();
+  await openConversation(conv.id);
+  el.composer.focus();
+}
+
+// ---------------------------------------------------------------- rendering
+
+function renderPicker() {
+  const current = state.conv?.model ?? el.picker.value;
+  const groups = (state.models?.tiers || []).map((tier) => {
+    const group = document.createElement("optgroup");
+    group.label = tierLabel(tier.tier);
+    for (const m of tier.models) group.append(new Option(m.label || m.id, m.id));
+    return group;
+  });
+  // A conversation may use a model since removed from the lineup; keep it selectable.
+  if (current && !state.modelIndex.has(current)) {
+    const other = document.createElement("optgroup");
+    other.label = "Other";
+    other.append(new Option(current, current));
+    groups.push(other);
+  }
+  el.picker.replaceChildren(...groups);
+  el.picker.value = current || state.models?.default || "";
+}
+
+function renderList() {
+  el.list.replaceChildren(...state.conversations.map(renderListItem));
+}
+
+function renderListItem(c) {
+  const li = document.createElement("li");
+  li.className = "conv-item";
+  li.dataset.id = c.id;
+  if (c.id === state.conv?.id) {
+    li.classList.add("active");
+    li.setAttribute("aria-current", "true");
+  }
+  const title = c.title || "New conversation";
+  const open = document.createElement("button");
+  open.type = "button";
+  open.className = "conv-open";
+  open.title = title;
+  const name = document.createElement("span");
+  name.className = "conv-name";
+  name.textContent = title;
+  const meta = document.createElement("span");
+  meta.className = "conv-meta";
+  const model = state.modelIndex.get(c.model)?.label || c.model;
+  meta.textContent = `${model} · ${c.message_count} ${c.message_count === 1 ? "message" : "messages"}`;
+  open.append(name, meta);
+  open.addEventListener("click", () => openConversation(c.id).catch(showError));
+
+  const rename = iconButton("✎", `Rename “${title}”`, () => startRename(li, c));
+  const del = iconButton("🗑", `Delete “${title}”`, () => confirmDelete(del, c));
+  del.classList.add("conv-delete");
+  del.addEventListener("blur", () => disarmDelete(del));
+  li.append(open, rename, del);
+  return li;
+}
+
+function iconButton(text, label, onClick) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = "icon small";
+  b.textContent = text;
+  b.setAttribute("aria-label", label);
+  b.title = label;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+function startRename(li, c) {
+  const input = document.createElement("input");
+  input.className = "conv-rename";
+  input.value = c.title || "";
+  input.setAttribute("aria-label", "Conversation title");
+  let done = false;
+  const finish = async (save) => {
+    if (done) return;
+    done = true;
+    const title = input.value.trim();
+    if (save && title && title !== c.title) {
+      try {
+        const updated = await api.patchConversation(c.id, { title });
+        if (state.conv?.id === c.id) {
+          state.conv = updated;
+          renderHeader();
+        }
+      } catch (err) {
+        showError(err);
+      }
+    }
+    await loadList().catch(showError);
+  };
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.isComposing && e.keyCode !== 229) {
+      e.preventDefault();
+      finish(true);
+    } else if (e.key === "Escape") {
+      finish(false);
+    }
+  });
+  input.addEventListener("blur", () => finish(true));
+  li.querySelector(".conv-open").replaceWith(input);
+  input.focus();
+  input.select();
+}
+
+// Deleting asks once, in place: the first click arms the button, the second deletes.
+function confirmDelete(button, c) {
+  if (button.dataset.armed !== "true") {
+    button.dataset.armed = "true";
+    button.textContent = "Delete?";
+    button.classList.add("danger");
+    return;
+  }
+  deleteConversation(c.id).catch(showError);
+}
+
+function disarmDelete(button) {
+  button.dataset.armed = "false";
+  button.textContent = "🗑";
+  button.classList.remove("danger");
+}
+
+async function deleteConversation(id) {
+  if (state.turn?.convId === id) stop();
+  await api.deleteConversation(id);
+  localStorage.removeItem(draftKey(id));
+  await loadList();
+  if (state.conv?.id !== id) return;
+  state.conv = null;
+  if (state.conversations.length) await openConversation(state.conversations[0].id);
+  else await newConversation();
+}
+
+function renderHeader() {
+  const conv = state.conv;
+  el.title.textContent = conv?.title || "New conversation";
+  document.title = conv?.title ? `${conv.title} · Chat` : "Chat";
+  renderPicker();
+  renderUsage(conv?.totals);
+  renderContext(conv?.context);
+}
+
+function renderUsage(t) {
+  if (!t) {
+    el.usage.replaceChildren();
+    return;
+  }
+  const items = [
+    ["in", `${formatTokens(t.input_tokens)} in`],
+    ["out", `${formatTokens(t.output_tokens)} out`],
+    ["cached", `${cachedPercent(t.cached_tokens, t.input_tokens)} cached`],
+    ["searches", `${t.searches} ${t.searches === 1 ? "search" : "searches"}`],
+    ["fetches", `${t.fetches} ${t.fetches === 1 ? "fetch" : "fetches"}`],
+    ["cost", formatCost(t.cost || 0) + (t.cost_unreported > 0 ? ` +${t.cost_unreported} unreported` : "")],
+    ["turns", `${t.turns} ${t.turns === 1 ? "turn" : "turns"}`],
+  ];
+  el.usage.replaceChildren(...items.map(([key, text]) => {
+    const span = document.createElement("span");
+    span.className = `usage-${key}`;
+    span.textContent = text;
+    return span;
+  }));
+  el.usage.title = "Session totals for this conversation. Cached % is the share of input read from the prompt cache.";
+}
+
+const CONTEXT_PARTS = [
+  ["persona", "Persona"],
+  ["memory", "Memory"],
+  ["summary", "Summary"],
+  ["history", "History"],
+];
+
+function renderContext(ctx) {
+  if (!ctx) {
+    el.contextBar.replaceChildren();
+    return;
+  }
+  const used = CONTEXT_PARTS.reduce((sum, [key]) => sum + (ctx[key] || 0), 0);
+  const scale = Math.max(ctx.budget, used) || 1;
+  const track = document.createElement("div");
+  track.className = "context-track";
+  for (const [key, label] of CONTEXT_PARTS) {
+    const seg = document.createElement("div");
+    seg.className = `context-seg seg-${key}`;
+    seg.dataset.segment = key;
+    seg.dataset.tokens = String(ctx[key] || 0);
+    seg.style.width = `${(100 * (ctx[key] || 0)) / scale}%`;
+    seg.title = `${label}: ${formatTokens(ctx[key])} tokens`;
+    track.append(seg);
+  }
+  const label = document.createElement("span");
+  label.className = "context-label";
+  // Until a turn has measured the prompt, the numbers are local estimates.
+  const approx = ctx.measured === false ? "≈ " : "";
+  label.textContent = `${approx}${formatTokens(used)} / ${formatTokens(ctx.budget)} tokens`;
+  el.contextBar.classList.toggle("over", used > ctx.budget);
+  el.contextBar.title = CONTEXT_PARTS.map(([key, name]) => `${name} ${formatTokens(ctx[key])}`).join(" · ") +
+    ` of a ${formatTokens(ctx.budget)}-token budget`;
+  el.contextBar.setAttribute("aria-label", `Context: ${el.contextBar.title}`);
+  el.contextBar.replaceChildren(track, label);
+}
+
+function isReasoning(model) {
+  return !!state.modelIndex.get(model)?.reasoning;
+}
+
+function renderTranscript() {
+  const stick = nearBottom();
+  const messages = state.conv?.messages || [];
+  el.messages.replaceChildren(...messages.map((m) => {
+    if (m.role === "user") return renderUser(m);
+    if (m.role === "notice") return renderNotice(m);
+    return AssistantView.fromMessage(m, { reasoning: isReasoning(m.model) }).el;
+  }));
+  renderRegenerate();
+  renderFailure();
+  scrollToBottom(stick);
+}
+
+/** Only the last message, if it is a finished assistant reply, offers Regenerate. */
+function renderRegenerate() {
+  for (const old of el.messages.querySelectorAll("[data-test=regenerate]")) old.remove();
+  if (state.turn) return;
+  const last = [...el.messages.children].filter((m) => m.dataset.role !== "notice").at(-1);
+  if (!last || last.dataset.role !== "assistant") return;
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "small";
+  button.dataset.test = "regenerate";
+  button.textContent = "↻ Regenerate";
+  button.title = "Answer the last message again with the model selected above";
+  button.addEventListener("click", () => regenerate());
+  last.querySelector(".message-actions").append(button);
+}
+
+function setStreaming(streaming) {
+  el.send.textContent = streaming ? "Stop" : "Send";
+  el.send.setAttribute("aria-label", streaming ? "Stop" : "Send");
+  el.send.classList.toggle("stop", streaming);
+  el.compressNow.disabled = streaming;
+  el.app.classList.toggle("streaming", streaming);
+  renderRegenerate();
+}
+
+function nearBottom() {
+  const t = el.transcript;
+  return t.scrollHeight - t.scrollTop - t.clientHeight < 80;
+}
+
+function scrollToBottom(force = false) {
+  if (force || nearBottom()) el.transcript.scrollTop = el.transcript.scrollHeight;
+}
+
+// ---------------------------------------------------------------- turns
+
+async function send() {
+  const text = el.composer.value;
+  if (state.turn || !state.conv || !text.trim()) return;
+  clearFailure();
+  setComposer("");
+  const userEl = renderUser({ content: text });
+  el.messages.append(userEl);
+  await runTurn("messages", { content: text }, { userEl, text });
+}
+
+async function regenerate() {
+  if (state.turn || !state.conv) return;
+  clearFailure();
+  // The server drops the last assistant turn before answering again; mirror that now.
+  const last = [...el.messages.children].at(-1);
+  if (last?.dataset.role === "assistant") last.remove();
+  await runTurn("regenerate", {}, {});
+}
+
+function stop() {
+  state.turn?.controller.abort();
+}
+
+/** Run one turn stream to its end, then settle the transcript by what ended it. */
+async function runTurn(kind, body, { userEl = null, text = null }) {
+  const conv = state.conv;
+  const view = new AssistantView({ model: conv.model, reasoning: isReasoning(conv.model) });
+  view.startStreaming();
+  el.messages.append(view.el);
+  const turn = { convId: conv.id, controller: new AbortController(), view, userEl };
+  state.turn = turn;
+  setStreaming(true);
+  scrollToBottom(true);
+
+  let outcome = { type: "lost" };
+  try {
+    const res = await openTurn(conv.id, kind, body, turn.controller.signal);
+    for await (const { event, data } of readEvents(res)) {
+      if (event === "done" || event === "error") {
+        outcome = { type: event, data };
+        break;
+      }
+      // Follow the reply only if the person has not scrolled up to read.
+      const follow = nearBottom();
+      handleEvent(turn, event, data);
+      if (follow) scrollToBottom(true);
+    }
+  } catch (err) {
+    if (err.name === "AbortError") outcome = { type: "aborted" };
+    else if (err instanceof ApiError) outcome = { type: "rejected", error: err };
+    else outcome = { type: "lost", error: err };
+  }
+  state.turn = null;
+  setStreaming(false);
+  await settleTurn(turn, outcome, text).catch(showError);
+}
+
+function handleEvent(turn, event, data) {
+  const { view, userEl } = turn;
+  switch (event) {
+    case "start":
+      if (data.assistant_message_id) view.el.dataset.id = data.assistant_message_id;
+      if (data.user_message_id && userEl) userEl.dataset.id = data.user_message_id;
+      if (data.model) {
+        view.model = data.model;
+        view.reasoning = isReasoning(data.model);
+      }
+      break;
+    case "compression": {
+      // The server sends the notice it stored; older servers only the numbers.
+      const notice = renderNotice(data.notice ?? { content: describeCompression(data) });
+      el.messages.insertBefore(notice, userEl || view.el);
+      break;
+    }
+    case "reasoning":
+    case "search":
+    case "fetch":
+      view.addActivity(event, data);
+      break;
+    case "delta":
+      view.addText(data.text);
+      break;
+    case "warning":
+      view.addWarning(data.message);
+      break;
+  }
+}
+
+async function settleTurn(turn, outcome, text) {
+  const { view, userEl } = turn;
+  const here = state.conv?.id === turn.convId;
+  switch (outcome.type) {
+    case "done":
+      view.setFinal("complete", outcome.data.usage, outcome.data.citations);
+      if (here) await refresh();
+      return;
+    case "aborted":
+      // The server saves the interrupted reply once it notices the closed connection; the page
+      // shows the same result now and re-reads the conversation when the server is done.
+      if (view.isEmpty) view.el.remove();
+      else view.setFinal("interrupted");
+      if (here) {
+        renderRegenerate();
+        syncAfterStop(turn.convId);
+      }
+      return;
+    case "error": {
+      const data = outcome.data;
+      if (data.draft != null) {
+        userEl?.remove();
+        returnDraft(turn.convId, data.draft);
+      }
+      if (!data.partial && view.isEmpty) view.el.remove();
+      else view.setFinal("interrupted");
+      if (!here) return;
+      state.failure = { ...data };
+      await refresh().catch((err) => {
+        showError(err);
+        renderFailure();
+      });
+      return;
+    }
+    case "rejected":
+      // The server refused the request itself (e.g. too long, busy): nothing was saved.
+      userEl?.remove();
+      view.el.remove();
+      if (text != null) returnDraft(turn.convId, text);
+      if (!here) return;
+      state.failure = {
+        kind: "request", message: outcome.error.message, draft: text, retry_after: null,
+      };
+      renderTranscript();
+      return;
+    default: {
+      // The stream ended without `done` or `error`: the server or the network went away.
+      if (outcome.error) console.error(outcome.error);
+      if (view.isEmpty) view.el.remove();
+      else view.setFinal("interrupted");
+      if (!here) return;
+      state.failure = {
+        kind: "upstream", message: "The connection to the server was lost.", retry_after: null,
+      };
+      await refresh().catch(showError);
+      const kept = state.conv.messages.some((m) => m.role === "user" && m.id === userEl?.dataset.id);
+      if (text != null && !kept) {
+        // The message never made it into the conversation: hand it back rather than lose it.
+        userEl?.remove();
+        state.failure.draft = text;
+        returnDraft(turn.convId, text);
+      }
+      renderFailure();
+    }
+  }
+}
+
+/** Wait (briefly) for the server to finish saving a stopped turn, then show its saved state. */
+async function syncAfterStop(convId) {
+  for (let attempt = 0; attempt < 20; attempt++) {
+    await new Promise((resolve) => setTimeout(resolve, 150));
+    if (state.turn || state.conv?.id !== convId) return;
+    const conv = await api.conversation(convId).catch(() => null);
+    if (!conv) return;
+    if (!conv.streaming) {
+      if (state.turn || state.conv?.id !== convId) return;
+      state.conv = conv;
+      renderHeader();
+      renderTranscript();
+      loadList().catch(showError);
+      return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- failures
+
+const FAILURE_HINTS = {
+  auth: "The gateway rejected the API key, or the account is out of credit.",
+  rate_limited: "The gateway is rate limiting requests.",
+  context_overflow: "The conversation no longer fits the model's context window.",
+  refused: "The model or the gateway's filter refused this request.",
+  model_unavailable: "This model is not available on the gateway right now.",
+  upstream: "The gateway or the network failed.",
+  request: "The server did not accept the request.",
+};
+
+function clearFailure() {
+  if (state.countdown) clearInterval(state.countdown);
+  state.countdown = null;
+  state.failure = null;
+  el.failure.replaceChildren();
+}
+
+function renderFailure() {
+  if (state.countdown) clearInterval(state.countdown);
+  state.countdown = null;
+  const f = state.failure;
+  if (!f) {
+    el.failure.replaceChildren();
+    return;
+  }
+  const line = document.createElement("div");
+  line.className = "failure";
+  line.dataset.test = "error";
+  line.dataset.kind = f.kind;
+  line.setAttribute("role", "alert");
+  const text = document.createElement("div");
+  text.className = "failure-text";
+  const message = document.createElement("strong");
+  message.textContent = f.message || FAILURE_HINTS[f.kind] || "Something went wrong.";
+  const hint = document.createElement("span");
+  hint.className = "failure-hint";
+  hint.textContent = hintFor(f);
+  text.append(message, " ", hint);
+  const actions = document.createElement("div");
+  actions.className = "failure-actions";
+  actions.append(...actionsFor(f, hint));
+  line.append(text, actions);
+  el.failure.replaceChildren(line);
+  scrollToBottom(true);
+}
+
+function hintFor(f) {
+  let hint = FAILURE_HINTS[f.kind] || "";
+  if (f.draft != null) hint += " Your message is back in the composer.";
+  if (f.partial) hint += " The part of the reply that arrived is kept.";
+  return hint;
+}
+
+function actionButton(label, onClick, primary = true) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = primary ? "primary small" : "small";
+  b.textContent = label;
+  b.addEventListener("click", () => onClick(b));
+  return b;
+}
+
+function actionsFor(f, hint) {
+  switch (f.kind) {
+    case "auth":
+      return [actionButton("Open settings", () => settings.open({ focus: "gateway" }))];
+    case "rate_limited":
+      return rateLimitActions(f);
+    case "context_overflow":
+      return [actionButton("Compress and retry", (b) => busy(b, compressAndRetry))];
+    case "refused":
+      // A rolled-back message is already in the composer; otherwise rewind takes it out of history.
+      return f.draft != null
+        ? [actionButton("Edit message", () => el.composer.focus())]
+        : [actionButton("Rewind and edit", (b) => busy(b, rewind))];
+    case "model_unavailable":
+      return [actionButton("Choose another model", chooseModel)];
+    default:
+      return [actionButton("Retry", (b) => busy(b, retry))];
+  }
+}
+
+async function busy(button, action) {
+  button.disabled = true;
+  try {
+    await action();
+  } catch (err) {
+    button.disabled = false;
+    showError(err);
+  }
+}
+
+function rateLimitActions(f) {
+  // The deadline is fixed once, so re-drawing the line does not restart the wait.
+  f.retryAt ??= Date.now() + 1000 * Math.max(1, f.retry_after ?? 10);
+  const status = document.createElement("span");
+  status.className = "countdown";
+  const tick = () => {
+    const remaining = Math.ceil((f.retryAt - Date.now()) / 1000);
+    status.textContent = `Retrying in ${Math.max(remaining, 0)}s…`;
+    return remaining;
+  };
+  tick();
+  state.countdown = setInterval(() => {
+    if (tick() <= 0) {
+      clearInterval(state.countdown);
+      state.countdown = null;
+      status.textContent = "Retrying…";
+      retry().catch(showError);
+    }
+  }, 1000);
+  return [status, actionButton("Retry now", (b) => busy(b, retry), false)];
+}
+
+/** Answer again: resend a rolled-back message (as it now reads in the composer) or regenerate. */
+async function retry() {
+  const f = state.failure;
+  if (!f || state.turn) return;
+  if (f.draft != null) {
+    if (!el.composer.value.trim()) setComposer(f.draft);
+    await send();
+  } else {
+    await regenerate();
+  }
+}
+
+async function compressAndRetry() {
+  const result = await api.compress(state.conv.id);
+  toast(describeCompression(result));
+  await retry();
+}
+
+async function rewind() {
+  const { content } = await api.rewind(state.conv.id);
+  clearFailure();
+  await refresh();
+  returnDraft(state.conv.id, content);
+}
+
+function chooseModel() {
+  el.picker.focus();
+  try {
+    el.picker.showPicker();
+  } catch {
+    // showPicker is missing in older browsers; focus alone still lets the keyboard open it.
+  }
+}
+
+// ---------------------------------------------------------------- misc
+
+let toastTimer = null;
+
+function toast(text) {
+  el.toast.textContent = text;
+  el.toast.hidden = false;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => {
+    el.toast.hidden = true;
+  }, 5000);
+}
+
+function showError(err) {
+  console.error(err);
+  if (err?.status === 401) showLogin();
+  else toast(err?.message || String(err));
+}
+
+/** A server with ACCESS_TOKEN answers 401 until the page trades the token for a login cookie. */
+function showLogin() {
+  const dialog = $("login");
+  if (!dialog.open) dialog.showModal();
+  $("login-token").focus();
+}
+
+async function logIn(event) {
+  event.preventDefault();
+  try {
+    await api.login($("login-token").value);
+    location.reload();
+  } catch (err) {
+    $("login-status").textContent = err.message;
+  }
+}
+
+function openSidebar() {
+  el.app.classList.add("sidebar-open");
+  el.scrim.hidden = false;
+  el.sidebarToggle.setAttribute("aria-expanded", "true");
+  el.list.querySelector(".active .conv-open, .conv-open")?.focus();
+}
+
+function closeSidebar() {
+  el.app.classList.remove("sidebar-open");
+  el.scrim.hidden = true;
+  el.sidebarToggle.setAttribute("aria-expanded", "false");
+}
+
+async function changeModel() {
+  const model = el.picker.value;
+  if (!state.conv || model === state.conv.model) return;
+  try {
+    const updated = await api.patchConversation(state.conv.id, { model });
+    state.conv = updated;
+    renderHeader();
+    loadList().catch(showError);
+  } catch (err) {
+    el.picker.value = state.conv.model;
+    showError(err);
+  }
+}
+
+async function compressNow() {
+  if (!state.conv || state.turn) return;
+  el.compressNow.disabled = true;
+  try {
+    const result = await api.compress(state.conv.id);
+    toast(describeCompression(result));
+    await refresh();
+  } catch (err) {
+    showError(err);
+  } finally {
+    el.compressNow.disabled = !!state.turn;
+  }
+}
+
+async function copyCode(button) {
+  const code = button.closest(".code-block").querySelector("code").textContent;
+  try {
+    await navigator.clipboard.writeText(code);
+  } catch {
+    // Clipboard API is refused outside secure contexts (plain http on a LAN address).
+    const scratch = document.createElement("textarea");
+    scratch.value = code;
+    document.body.append(scratch);
+    scratch.select();
+    document.execCommand("copy");
+    scratch.remove();
+  }
+  button.textContent = "Copied";
+  setTimeout(() => {
+    button.textContent = "Copy";
+  }, 1500);
+}
+
+function wire() {
+  el.form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    if (state.turn) stop();
+    else send().catch(showError);
+  });
+  el.composer.addEventListener("keydown", (e) => {
+    if (e.key !== "Enter" || e.shiftKey) return;
+    // Enter that confirms an IME candidate (Hangul, kana) must not send half a syllable. Safari
+    // ends the composition before this keydown, so only its keyCode 229 tells.
+    if (e.isComposing || e.keyCode === 229) return;
+    e.preventDefault();
+    if (!state.turn) send().catch(showError);
+  });
+  el.composer.addEventListener("input", () => {
+    saveDraft();
+    autosize();
+  });
+  el.picker.addEventListener("change", changeModel);
+  $("new-conversation").addEventListener("click", () => newConversation().catch(showError));
+  $("settings-open").addEventListener("click", () => settings.open().catch(showError));
+  el.compressNow.addEventListener("click", compressNow);
+  $("login-form").addEventListener("submit", logIn);
+  // Without the token nothing works, so the login dialog cannot be dismissed.
+  $("login").addEventListener("cancel", (e) => e.preventDefault());
+  el.sidebarToggle.addEventListener("click", () =>
+    el.app.classList.contains("sidebar-open") ? closeSidebar() : openSidebar());
+  el.scrim.addEventListener("click", closeSidebar);
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && el.app.classList.contains("sidebar-open")) closeSidebar();
+  });
+  el.messages.addEventListener("click", (e) => {
+    const copy = e.target.closest("button.copy");
+    if (copy) copyCode(copy);
+  });
+  // Closing the tab mid-reply takes the same path as Stop: the fetch is aborted.
+  window.addEventListener("pagehide", stop);
+}
+
+async function boot() {
+  wire();
+  const [health, presets] = await Promise.all([
+    api.health().catch(() => null),
+    api.presets().catch(() => []),
+    loadModels(),
+    loadList(),
+  ]);
+  state.health = health;
+  state.presets = presets;
+  el.banner.hidden = !health || health.gateway_configured !== false;
+  const wanted = decodeURIComponent(location.hash.slice(1));
+  const target = state.conversations.find((c) => c.id === wanted) || state.conversations[0];
+  if (target) await openConversation(target.id);
+  else await newConversation();
+  el.composer.focus();
+  document.body.dataset.ready = "true";
+}
+
+boot().catch(showError);

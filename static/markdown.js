@@ -1,0 +1,588 @@
+// A small Markdown renderer for untrusted model output, plus its streaming wrapper.
+//
+// Every node is built with createElement/textContent, so nothing in the text can become markup:
+// `<script>` or `<img onerror>` in a reply stays visible text. Links are kept only for http and
+// https. It covers what chat replies use (headings, lists, quotes, fenced code, tables,
+// emphasis, inline code, links) and deliberately not raw HTML, images or reference links.
+
+const FENCE_RE = /^(\s*)(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
+const HEADING_RE = /^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$/;
+const HR_RE = /^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$/;
+const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:([ \t]+)(.*))?$/;
+const QUOTE_RE = /^ {0,3}> ?(.*)$/;
+const TABLE_DELIM_RE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+
+/** Render complete Markdown text into a DocumentFragment. */
+export function renderMarkdown(text) {
+  const fragment = document.createDocumentFragment();
+  parseBlocks(text.split(/\r?\n/), fragment);
+  return fragment;
+}
+
+/** The URL if it is an absolute http(s) URL, else null: other schemes can run code. */
+export function safeUrl(raw) {
+  try {
+    const url = new URL(raw.trim());
+    return url.protocol === "http:" || url.protocol === "https:" ? url.href : null;
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * Split streamed text into a prefix that can be rendered as Markdown now and a tail that cannot:
+ * the cut is at the last complete line, moved back to the opening line of a code fence that has
+ * not closed yet. `fence` holds the open fence's language and code so far, or null.
+ */
+export function splitStable(text) {
+  const scanner = new LineScanner();
+  const cut = text.lastIndexOf("\n") + 1;
+  scanner.advance(text, cut);
+  return splitAt(text, cut, scanner.fence);
+}
+
+function splitAt(text, cut, open) {
+  if (!open) return { prefix: text.slice(0, cut), tail: text.slice(cut), fence: null };
+  const partial = text.slice(cut);
+  // A partial line of only backticks may be the closing fence arriving: never show it as code.
+  const lastLine = /^\s*(`+|~+)\s*$/.test(partial) ? "" : partial;
+  const code = (text.slice(open.bodyStart, cut) + lastLine).replace(/\n$/, "");
+  return { prefix: text.slice(0, open.start), tail: "", fence: { lang: open.lang, code } };
+}
+
+/**
+ * Reads complete lines once each, as they arrive, and keeps two facts about them: the code fence
+ * still open (if any), and the last block boundary, a line at column 0 after a blank line outside
+ * any fence that is not a list item. Nothing after such a boundary can change how the text before
+ * it renders, so that part never needs rendering again.
+ */
+class LineScanner {
+  constructor() {
+    this.pos = 0;
+    this.fence = null;
+    this.afterBlank = true;
+    this.boundary = 0;
+  }
+
+  advance(text, cut) {
+    while (this.pos < cut) {
+      const end = text.indexOf("\n", this.pos);
+      const line = text.slice(this.pos, end);
+      if (this.fence) {
+        if (isClosingFence(line, this.fence.marker)) this.fence = null;
+        this.afterBlank = false;
+      } else {
+        if (this.afterBlank && /^\S/.test(line) && !LIST_RE.test(line)) this.boundary = this.pos;
+        const m = FENCE_RE.exec(line);
+        if (m) this.fence = { start: this.pos, bodyStart: end + 1, marker: m[2], lang: m[3] };
+        this.afterBlank = isBlank(line);
+      }
+      this.pos = end + 1;
+    }
+  }
+}
+
+/**
+ * Renders a growing reply: finished blocks once, the stable prefix after them again only when a
+ * line completes, and the partial tail as plain text.
+ */
+export class StreamingMarkdown {
+  constructor(container) {
+    this.stable = el("div", "md-stable");
+    this.frozen = el("div", "md-frozen");
+    this.live = el("div", "md-live");
+    this.tail = el("div", "md-tail");
+    this.stable.append(this.frozen, this.live);
+    container.replaceChildren(this.stable, this.tail);
+    this.scanner = new LineScanner();
+    this.frozenEnd = 0;
+    this.prefixEnd = 0;
+  }
+
+  update(text) {
+    const cut = text.lastIndexOf("\n") + 1;
+    this.scanner.advance(text, cut);
+    const { prefix, tail, fence } = splitAt(text, cut, this.scanner.fence);
+    // Text only grows, so a prefix of the same length is the same prefix.
+    if (prefix.length !== this.prefixEnd) {
+      const freezeAt = Math.min(this.scanner.boundary, prefix.length);
+      if (freezeAt > this.frozenEnd) {
+        this.frozen.append(renderMarkdown(text.slice(this.frozenEnd, freezeAt)));
+        this.frozenEnd = freezeAt;
+      }
+      this.live.replaceChildren(renderMarkdown(text.slice(this.frozenEnd, prefix.length)));
+      this.prefixEnd = prefix.length;
+    }
+    if (fence) {
+      this.tail.replaceChildren(codeBlock(fence.code, fence.lang, false));
+    } else if (tail && !/^\s*(`+|~+)[\w+#.-]*$/.test(tail)) {
+      // A partial line that may still become a fence opener stays hidden until its line ends.
+      this.tail.replaceChildren(el("p", "md-partial", tail));
+    } else {
+      this.tail.replaceChildren();
+    }
+  }
+
+  /** The reply is over (done, error or Stop): everything is final, unclosed fences included. */
+  finish(text) {
+    this.stable.replaceChildren(renderMarkdown(text));
+    this.tail.replaceChildren();
+  }
+}
+
+function isClosingFence(line, marker) {
+  const m = /^\s*(`{3,}|~{3,})\s*$/.exec(line);
+  return !!m && m[1][0] === marker[0] && m[1].length >= marker.length;
+}
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function indentOf(line) {
+  let cols = 0;
+  for (const ch of line) {
+    if (ch === " ") cols += 1;
+    else if (ch === "\t") cols += 4 - (cols % 4);
+    else break;
+  }
+  return cols;
+}
+
+/** Remove up to `cols` columns of leading whitespace. */
+function dedent(line, cols) {
+  let i = 0;
+  let seen = 0;
+  while (i < line.length && seen < cols && (line[i] === " " || line[i] === "\t")) {
+    seen += line[i] === "\t" ? 4 - (seen % 4) : 1;
+    i++;
+  }
+  return line.slice(i);
+}
+
+const isBlank = (line) => /^\s*$/.test(line);
+
+function startsBlock(lines, i) {
+  const line = lines[i];
+  return (
+    FENCE_RE.test(line) || HEADING_RE.test(line) || HR_RE.test(line) || QUOTE_RE.test(line) ||
+    (LIST_RE.test(line) && !isBlank(LIST_RE.exec(line)[4] ?? "")) || isTableStart(lines, i)
+  );
+}
+
+function parseBlocks(lines, parent) {
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    if (isBlank(line)) {
+      i++;
+    } else if (FENCE_RE.test(line)) {
+      i = parseFence(lines, i, parent);
+    } else if (HEADING_RE.test(line)) {
+      const [, hashes, content = ""] = HEADING_RE.exec(line);
+      const h = el(`h${hashes.length}`);
+      parseInline(content, h);
+      parent.append(h);
+      i++;
+    } else if (HR_RE.test(line)) {
+      parent.append(el("hr"));
+      i++;
+    } else if (QUOTE_RE.test(line)) {
+      i = parseQuote(lines, i, parent);
+    } else if (LIST_RE.test(line)) {
+      i = parseList(lines, i, parent);
+    } else if (isTableStart(lines, i)) {
+      i = parseTable(lines, i, parent);
+    } else {
+      i = parseParagraph(lines, i, parent);
+    }
+  }
+}
+
+function parseFence(lines, i, parent) {
+  const [, indent, marker, lang] = FENCE_RE.exec(lines[i]);
+  const cols = indentOf(indent);
+  const code = [];
+  let j = i + 1;
+  while (j < lines.length && !isClosingFence(lines[j], marker)) {
+    code.push(dedent(lines[j], cols));
+    j++;
+  }
+  parent.append(codeBlock(code.join("\n"), lang, true));
+  return j + 1;
+}
+
+/** A code block: `<pre><code>` holding the code exactly, and a Copy button once complete. */
+function codeBlock(code, lang, complete) {
+  const wrap = el("div", complete ? "code-block" : "code-block pending");
+  const head = el("div", "code-head");
+  head.append(el("span", "code-lang", lang || "code"));
+  const pre = el("pre");
+  const codeEl = el("code", null, code);
+  const safeLang = (lang || "").replace(/[^\w+#.-]/g, "");
+  if (safeLang) codeEl.className = `language-${safeLang}`;
+  pre.append(codeEl);
+  if (complete) {
+    const copy = el("button", "copy", "Copy");
+    copy.type = "button";
+    head.append(copy);
+  }
+  wrap.append(head, pre);
+  return wrap;
+}
+
+function parseQuote(lines, i, parent) {
+  const inner = [];
+  while (i < lines.length) {
+    const m = QUOTE_RE.exec(lines[i]);
+    if (m) inner.push(m[1]);
+    else if (!isBlank(lines[i]) && inner.length && !isBlank(inner.at(-1)) && !startsBlock(lines, i)) {
+      inner.push(lines[i]);
+    } else break;
+    i++;
+  }
+  const quote = el("blockquote");
+  parseBlocks(inner, quote);
+  parent.append(quote);
+  return i;
+}
+
+function parseList(lines, i, parent) {
+  const first = LIST_RE.exec(lines[i]);
+  const base = indentOf(first[1]);
+  const ordered = /\d/.test(first[2]);
+  const list = el(ordered ? "ol" : "ul");
+  if (ordered && parseInt(first[2], 10) !== 1) list.start = parseInt(first[2], 10);
+  const items = [];
+  while (i < lines.length) {
+    const line = lines[i];
+    const m = LIST_RE.exec(line);
+    const indent = indentOf(line);
+    const item = items.at(-1);
+    if (m && indent <= base + 1) {
+      if (/\d/.test(m[2]) !== ordered) break;
+      items.push({ lines: [m[4] ?? ""], offset: indent + m[2].length + Math.min((m[3] ?? " ").length, 4) });
+    } else if (isBlank(line)) {
+      // A blank line continues the list only if what follows is indented or another item.
+      let j = i + 1;
+      while (j < lines.length && isBlank(lines[j])) j++;
+      if (j >= lines.length) break;
+      const nextM = LIST_RE.exec(lines[j]);
+      const continues = indentOf(lines[j]) > base + 1 ||
+        (nextM && /\d/.test(nextM[2]) === ordered);
+      if (!continues) break;
+      for (; i < j - 1; i++) item.lines.push("");
+      item.lines.push("");
+    } else if (indent > base + 1) {
+      item.lines.push(dedent(line, item.offset));
+    } else if (!isBlank(item.lines.at(-1)) && !startsBlock(lines, i)) {
+      item.lines.push(line.trim());
+    } else {
+      break;
+    }
+    i++;
+  }
+  for (const item of items) list.append(renderItem(item));
+  parent.append(list);
+  return i;
+}
+
+function renderItem(item) {
+  const li = el("li");
+  parseBlocks(item.lines, li);
+  return li;
+}
+
+function isTableStart(lines, i) {
+  return (
+    i + 1 < lines.length && lines[i].includes("|") && lines[i + 1].includes("|") &&
+    TABLE_DELIM_RE.test(lines[i + 1]) && splitRow(lines[i]).length === splitRow(lines[i + 1]).length
+  );
+}
+
+function splitRow(line) {
+  let s = line.trim();
+  if (s.startsWith("|")) s = s.slice(1);
+  if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
+  return s.split(/(?<!\\)\|/).map((cell) => cell.trim().replace(/\\\|/g, "|"));
+}
+
+function parseTable(lines, i, parent) {
+  const head = splitRow(lines[i]);
+  const aligns = splitRow(lines[i + 1]).map((d) =>
+    d.startsWith(":") && d.endsWith(":") ? "center" : d.endsWith(":") ? "right" : d.startsWith(":") ? "left" : "",
+  );
+  const table = el("table");
+  const thead = el("thead");
+  const tbody = el("tbody");
+  thead.append(tableRow(head, "th", aligns));
+  i += 2;
+  while (i < lines.length && !isBlank(lines[i]) && lines[i].includes("|")) {
+    tbody.append(tableRow(splitRow(lines[i]), "td", aligns));
+    i++;
+  }
+  table.append(thead, tbody);
+  const wrap = el("div", "md-table");
+  wrap.append(table);
+  parent.append(wrap);
+  return i;
+}
+
+function tableRow(cells, tag, aligns) {
+  const tr = el("tr");
+  aligns.forEach((align, k) => {
+    const cell = el(tag);
+    if (align) cell.style.textAlign = align;
+    parseInline(cells[k] ?? "", cell);
+    tr.append(cell);
+  });
+  return tr;
+}
+
+function parseParagraph(lines, i, parent) {
+  const text = [lines[i].trim()];
+  i++;
+  while (i < lines.length && !isBlank(lines[i]) && !startsBlock(lines, i)) {
+    text.push(lines[i].trim());
+    i++;
+  }
+  const p = el("p");
+  parseInline(text.join("\n"), p);
+  parent.append(p);
+  return i;
+}
+
+// Inline parsing: one left-to-right scan; a construct that does not close is literal text.
+
+const PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";
+
+/** Append inline nodes for `text` to `parent`. */
+function parseInline(text, parent) {
+  new InlineParser(text).run(parent);
+}
+
+class InlineParser {
+  constructor(text) {
+    this.text = text;
+    // Delimiters known to have no closer within a range: any narrower search fails too, so a
+    // reply full of unclosed `*` costs one scan per delimiter, not one per occurrence.
+    this.noCloser = new Map();
+    this.inLink = false;
+  }
+
+  run(parent, start = 0, end = this.text.length) {
+    const t = this.text;
+    let buf = "";
+    const flush = () => {
+      if (buf) parent.append(document.createTextNode(buf));
+      buf = "";
+    };
+    let i = start;
+    while (i < end) {
+      const ch = t[i];
+      if (ch === "\\" && i + 1 < end && PUNCT.includes(t[i + 1])) {
+        buf += t[i + 1];
+        i += 2;
+        continue;
+      }
+      if (ch === "\n") {
+        flush();
+        parent.append(el("br"));
+        i++;
+        continue;
+      }
+      const next = this.construct(i, end);
+      if (next) {
+        flush();
+        parent.append(next.node);
+        i = next.end;
+        continue;
+      }
+      buf += ch;
+      i++;
+    }
+    flush();
+  }
+
+  construct(i, end) {
+    const t = this.text;
+    const ch = t[i];
+    if (ch === "`") return this.codeSpan(i, end);
+    if (ch === "*" || ch === "_" || (ch === "~" && t[i + 1] === "~")) return this.emphasis(i, end);
+    // Links never nest: a URL inside a link's label stays text.
+    if (this.inLink) return null;
+    if (ch === "[") return this.link(i, end, i + 1);
+    if (ch === "!" && t[i + 1] === "[") return this.link(i, end, i + 2);
+    if (ch === "<") return this.autolink(i, end);
+    if (ch === "h" && (i === 0 || /[\s(]/.test(t[i - 1]))) return this.bareUrl(i, end);
+    return null;
+  }
+
+  codeSpan(i, end) {
+    const t = this.text;
+    let n = 0;
+    while (t[i + n] === "`") n++;
+    const ticks = "`".repeat(n);
+    let j = t.indexOf(ticks, i + n);
+    while (j !== -1 && j < end && t[j + n] === "`") {
+      let k = j;
+      while (t[k] === "`") k++;
+      j = t.indexOf(ticks, k);
+    }
+    if (j === -1 || j + n > end) return { node: document.createTextNode(ticks), end: i + n };
+    let code = t.slice(i + n, j).replace(/\n/g, " ");
+    if (code.length > 2 && code.startsWith(" ") && code.endsWith(" ")) code = code.slice(1, -1);
+    return { node: el("code", null, code), end: j + n };
+  }
+
+  link(i, end, labelStart) {
+    const t = this.text;
+    let depth = 1;
+    let j = labelStart;
+    for (; j < end && depth; j++) {
+      if (t[j] === "\\") j++;
+      else if (t[j] === "[") depth++;
+      else if (t[j] === "]") depth--;
+    }
+    if (depth || t[j] !== "(") return null;
+    const close = matchParen(t, j, end);
+    if (close === -1) return null;
+    const labelEnd = j - 1;
+    const dest = t.slice(j + 1, close).trim().replace(/\s+("[^"]*"|'[^']*')$/, "").replace(/^<(.*)>$/, "$1");
+    const url = safeUrl(dest);
+    const isImage = labelStart === i + 2;
+    if (!url) {
+      // Unsafe or relative target: keep the words, drop the link.
+      const span = el("span");
+      this.run(span, labelStart, labelEnd);
+      return { node: span, end: close + 1 };
+    }
+    const a = anchor(url);
+    if (isImage) {
+      a.textContent = t.slice(labelStart, labelEnd) || url;
+    } else {
+      this.inLink = true;
+      this.run(a, labelStart, labelEnd);
+      this.inLink = false;
+    }
+    return { node: a, end: close + 1 };
+  }
+
+  autolink(i, end) {
+    const m = /^<(https?:\/\/[^\s<>]+)>/.exec(this.text.slice(i, end));
+    const url = m && safeUrl(m[1]);
+    if (!url) return null;
+    const a = anchor(url);
+    a.textContent = m[1];
+    return { node: a, end: i + m[0].length };
+  }
+
+  bareUrl(i, end) {
+    const m = /^https?:\/\/[^\s<>]+/.exec(this.text.slice(i, end));
+    if (!m) return null;
+    let raw = m[0];
+    // Sentence punctuation and an unbalanced closing parenthesis end the URL, not belong to it.
+    for (;;) {
+      const last = raw.at(-1);
+      if (/[.,:;!?'"*_~]/.test(last)) raw = raw.slice(0, -1);
+      else if (last === ")" && count(raw, "(") < count(raw, ")")) raw = raw.slice(0, -1);
+      else break;
+    }
+    const url = safeUrl(raw);
+    if (!url) return null;
+    const a = anchor(url);
+    a.textContent = raw;
+    return { node: a, end: i + raw.length };
+  }
+
+  emphasis(i, end) {
+    const t = this.text;
+    const ch = t[i];
+    let n = 0;
+    while (t[i + n] === ch) n++;
+    const after = t[i + n];
+    if (after === undefined || /\s/.test(after)) return null;
+    if (ch === "_" && i > 0 && /[\p{L}\p{N}]/u.test(t[i - 1])) return null;
+    if (ch === "~") {
+      if (n !== 2) return null;
+      const close = this.findCloser("~~", i + 2, end);
+      return close === -1 ? null : this.wrap(["del"], i + 2, close, close + 2);
+    }
+    const size = Math.min(n, 3);
+    const delim = ch.repeat(size);
+    const close = this.findCloser(delim, i + size, end);
+    if (close === -1) return null;
+    const tags = size === 3 ? ["strong", "em"] : size === 2 ? ["strong"] : ["em"];
+    return this.wrap(tags, i + size, close, close + size);
+  }
+
+  findCloser(delim, from, end) {
+    const known = this.noCloser.get(delim);
+    if (known && known.from <= from && end <= known.end) return -1;
+    const t = this.text;
+    const ch = delim[0];
+    for (let j = from; j < end; j++) {
+      if (t[j] === "`") {
+        const span = this.codeSpan(j, end);
+        j = span.end - 1;
+        continue;
+      }
+      if (t[j] === "\\") {
+        j++;
+        continue;
+      }
+      if (t[j] !== ch) continue;
+      let run = 0;
+      while (t[j + run] === ch) run++;
+      const before = t[j - 1];
+      const follow = t[j + run];
+      // A run closes when it is exactly this delimiter, or a `***` ending nested emphasis;
+      // a `**` pair inside `*...*` is its own pair and is skipped.
+      const fits = run === delim.length || (run >= 3 && run > delim.length);
+      const closes = fits && j > from && !/\s/.test(before) &&
+        (ch !== "_" || follow === undefined || !/[\p{L}\p{N}]/u.test(follow));
+      if (closes) return j + run - delim.length;
+      j += run - 1;
+    }
+    this.noCloser.set(delim, { from, end });
+    return -1;
+  }
+
+  wrap(tags, innerStart, innerEnd, end) {
+    const outer = el(tags[0]);
+    let inner = outer;
+    for (const tag of tags.slice(1)) {
+      const child = el(tag);
+      inner.append(child);
+      inner = child;
+    }
+    this.run(inner, innerStart, innerEnd);
+    return { node: outer, end };
+  }
+}
+
+function matchParen(t, open, end) {
+  let depth = 0;
+  for (let j = open; j < end; j++) {
+    if (t[j] === "\\") j++;
+    else if (t[j] === "(") depth++;
+    else if (t[j] === ")" && --depth === 0) return j;
+    else if (t[j] === "\n") return -1;
+  }
+  return -1;
+}
+
+function count(s, ch) {
+  return s.split(ch).length - 1;
+}
+
+function anchor(url) {
+  const a = el("a");
+  a.href = url;
+  a.target = "_blank";
+  a.rel = "noopener noreferrer";
+  return a;
+}

@@ -1,0 +1,89 @@
+"""What the browser tests share besides fixtures: the server process, opening the page, and small
+verbs over the page's data-test hooks so tests read as what a person does."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+from playwright.sync_api import Browser, Page, expect
+
+from support import LiveServer
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+
+expect.set_options(timeout=10_000)
+
+
+class Server(LiveServer):
+    """The real server in a child process, with verbs the browser tests check it by."""
+
+    def api(self, method: str, path: str, **kwargs) -> httpx.Response:
+        return httpx.request(method, f"{self.base_url}{path}", timeout=10, **kwargs)
+
+    def conversation(self, conv_id: str) -> dict:
+        response = self.api("GET", f"/api/conversations/{conv_id}")
+        response.raise_for_status()
+        return response.json()
+
+    def settled(self, conv_id: str) -> dict:
+        """The conversation once no turn is streaming on it (a stopped turn saves on its own time)."""
+        return eventually(lambda: (conv := self.conversation(conv_id)) and not conv["streaming"] and conv)
+
+    def models(self) -> dict:
+        return self.api("GET", "/api/models").json()
+
+
+def open_page(browser: Browser, base_url: str, **context_options) -> Page:
+    context = browser.new_context(**{"viewport": {"width": 1280, "height": 860}, **context_options})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.js_errors = errors
+    page.goto(base_url)
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    return page
+
+
+def new_conversation(page: Page) -> str:
+    before = conversation_id(page)
+    page.get_by_test_id("new-conversation").click()
+    page.wait_for_function("before => location.hash.slice(1) && location.hash.slice(1) !== before", arg=before)
+    return conversation_id(page)
+
+
+def conversation_id(page: Page) -> str:
+    return page.evaluate("decodeURIComponent(location.hash.slice(1))")
+
+
+def send(page: Page, text: str) -> None:
+    page.get_by_test_id("composer").fill(text)
+    page.get_by_test_id("composer").press("Enter")
+
+
+def assistant_messages(page: Page):
+    return page.locator("[data-test=message][data-role=assistant]")
+
+
+def user_messages(page: Page):
+    return page.locator("[data-test=message][data-role=user]")
+
+
+def screenshot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    # Transitions are finished first, so a sliding sidebar is photographed where it ends up.
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), animations="disabled")
+
+
+def eventually(check, timeout: float = 10.0):
+    """Poll `check` until it returns something truthy (server state settling after an action)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not true after {timeout}s: {check}")
+        time.sleep(0.05)

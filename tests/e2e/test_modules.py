@@ -1,0 +1,191 @@
+"""The page's pure modules (SSE decoder, Markdown renderer) run in chromium as the page loads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagekit import open_page
+
+
+@pytest.fixture(scope="module")
+def blank(browser, server):
+    page = open_page(browser, server.base_url)
+    yield page
+    page.context.close()
+
+
+def render(page, text: str) -> str:
+    return page.evaluate(
+        """async (text) => {
+          const md = await import('/static/markdown.js');
+          const box = document.createElement('div');
+          box.append(md.renderMarkdown(text));
+          return box.innerHTML;
+        }""",
+        text,
+    )
+
+
+@pytest.mark.parametrize(("source", "html"), [
+    ("# Title\n\nSome *em*, **strong** and `co*de*`.",
+     "<h1>Title</h1><p>Some <em>em</em>, <strong>strong</strong> and <code>co*de*</code>.</p>"),
+    ("1. a\n2. b\n   - nested\n\n- x",
+     "<ol><li><p>a</p></li><li><p>b</p><ul><li><p>nested</p></li></ul></li></ol><ul><li><p>x</p></li></ul>"),
+    ("snake_case_name and 2 * 3 * 4 stay plain; **bold *nested* text**",
+     "<p>snake_case_name and 2 * 3 * 4 stay plain; <strong>bold <em>nested</em> text</strong></p>"),
+    ("> quoted\nline two",
+     "<blockquote><p>quoted<br>line two</p></blockquote>"),
+    ("| a | b |\n|---|--:|\n| 1 | 2 |",
+     '<div class="md-table"><table><thead><tr><th>a</th><th style="text-align: right;">b</th></tr></thead>'
+     '<tbody><tr><td>1</td><td style="text-align: right;">2</td></tr></tbody></table></div>'),
+    ("[ok](https://a.example/x) [bad](javascript:alert(1)) <https://b.example> see https://c.example/p.",
+     '<p><a href="https://a.example/x" target="_blank" rel="noopener noreferrer">ok</a> <span>bad</span> '
+     '<a href="https://b.example/" target="_blank" rel="noopener noreferrer">https://b.example</a> see '
+     '<a href="https://c.example/p" target="_blank" rel="noopener noreferrer">https://c.example/p</a>.</p>'),
+    ("<b onmouseover=alert(1)>x</b>",
+     "<p>&lt;b onmouseover=alert(1)&gt;x&lt;/b&gt;</p>"),
+])
+def test_markdown_renders_the_constructs_chat_replies_use(blank, source, html):
+    assert render(blank, source) == html
+
+
+def test_a_code_block_holds_its_code_exactly(blank):
+    code = "const a = '<b>&amp;</b>';\n\n\tindented\t tab\n  **not bold**"
+    html = render(blank, f"```js\n{code}\n```")
+    assert '<code class="language-js">' in html and ">Copy</button>" in html
+    text = blank.evaluate(
+        """async (src) => {
+          const md = await import('/static/markdown.js');
+          const box = document.createElement('div');
+          box.append(md.renderMarkdown(src));
+          return box.querySelector('pre > code').textContent;
+        }""",
+        f"```js\n{code}\n```",
+    )
+    assert text == code
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("Hello wor", {"prefix": "", "tail": "Hello wor", "fence": None}),
+    ("line one\nline tw", {"prefix": "line one\n", "tail": "line tw", "fence": None}),
+    ("Intro\n```py\nx = 1\ny =", {"prefix": "Intro\n", "tail": "", "fence": {"lang": "py", "code": "x = 1\ny ="}}),
+    ("```\nx\n``", {"prefix": "", "tail": "", "fence": {"lang": "", "code": "x"}}),
+    ("```\nx\n```\nafter", {"prefix": "```\nx\n```\n", "tail": "after", "fence": None}),
+])
+def test_split_stable_cuts_at_the_last_line_and_before_an_open_fence(blank, text, expected):
+    got = blank.evaluate("async (t) => (await import('/static/markdown.js')).splitStable(t)", text)
+    assert got == expected
+
+
+def test_streaming_renders_a_finished_block_once_and_the_prefix_only_when_a_line_completes(blank):
+    result = blank.evaluate(
+        """async () => {
+          const { StreamingMarkdown } = await import('/static/markdown.js');
+          const box = document.createElement('div');
+          const md = new StreamingMarkdown(box);
+          const firstParagraph = () => box.querySelector('.md-stable p');
+          let text = 'First **line**\\n';
+          md.update(text);
+          const first = firstParagraph();
+          const keptWithinLine = [];
+          for (const ch of 'second *li') {
+            text += ch;
+            md.update(text);
+            keptWithinLine.push(firstParagraph() === first);
+          }
+          const tail = box.querySelector('.md-tail').textContent;
+          text += 'ne*\\n';
+          md.update(text);
+          const rebuiltOnNewLine = firstParagraph() !== first;
+          text += '\\nNext paragraph\\n\\nAnd another\\n';
+          md.update(text);
+          const closed = firstParagraph();
+          text += 'and more of it\\n';
+          md.update(text);
+          return {
+            keptWithinLine, tail, rebuiltOnNewLine,
+            frozenKept: firstParagraph() === closed,
+            html: box.querySelector('.md-stable').innerHTML,
+          };
+        }"""
+    )
+    assert all(result["keptWithinLine"])
+    assert result["tail"] == "second *li"
+    assert result["rebuiltOnNewLine"]
+    assert result["frozenKept"], "a paragraph closed by a blank line was rendered again"
+    assert result["html"] == (
+        '<div class="md-frozen"><p>First <strong>line</strong><br>second <em>line</em></p>'
+        "<p>Next paragraph</p></div>"
+        '<div class="md-live"><p>And another<br>and more of it</p></div>'
+    )
+
+
+SSE_BODY = (
+    ": keep-alive comment\r\n"
+    "event: delta\r\n"
+    'data: {"text": "안녕 🙂"}\r\n'
+    "\r\n"
+    "data: first line\n"
+    "data: second line\n"
+    "\n"
+    "event: done\r"
+    "data: {}\r"
+    "\r"
+    "event: incomplete\n"
+    "data: never dispatched"
+)
+SSE_EVENTS = [
+    {"event": "delta", "data": '{"text": "안녕 🙂"}'},
+    {"event": "message", "data": "first line\nsecond line"},
+    {"event": "done", "data": "{}"},
+]
+
+
+def test_the_sse_decoder_gives_the_same_events_however_the_bytes_are_split(blank):
+    results = blank.evaluate(
+        """async (body) => {
+          const { SSEDecoder } = await import('/static/sse.js');
+          const bytes = new TextEncoder().encode(body);
+          const run = (chunks) => {
+            const decoder = new TextDecoder('utf-8');
+            const sse = new SSEDecoder();
+            const events = [];
+            for (const chunk of chunks) events.push(...sse.push(decoder.decode(chunk, { stream: true })));
+            events.push(...sse.push(decoder.decode()));
+            return JSON.stringify(events);
+          };
+          const out = [run([bytes])];
+          for (let i = 1; i < bytes.length; i++) out.push(run([bytes.slice(0, i), bytes.slice(i)]));
+          out.push(run([...bytes].map((b) => new Uint8Array([b]))));
+          return out;
+        }""",
+        SSE_BODY,
+    )
+    assert len(results) > len(SSE_BODY)
+    assert {r for r in results} == {json.dumps(SSE_EVENTS, ensure_ascii=False, separators=(",", ":"))}
+
+
+def test_read_events_parses_json_data_from_a_streamed_response(blank):
+    events = blank.evaluate(
+        """async (body) => {
+          const { readEvents } = await import('/static/sse.js');
+          const bytes = new TextEncoder().encode(body);
+          const stream = new ReadableStream({
+            start(controller) {
+              for (let i = 0; i < bytes.length; i += 5) controller.enqueue(bytes.slice(i, i + 5));
+              controller.close();
+            },
+          });
+          const out = [];
+          for await (const ev of readEvents(new Response(stream))) out.push(ev);
+          return out;
+        }""",
+        SSE_BODY,
+    )
+    assert events == [
+        {"event": "delta", "data": {"text": "안녕 🙂"}},
+        {"event": "message", "data": "first line\nsecond line"},
+        {"event": "done", "data": {}},
+    ]
