@@ -46,8 +46,25 @@ _AUTH = re.compile(
 _REFUSED = re.compile(r"content_filter|contentpolicyviolation|content policy|moderation|flagged", re.I)
 
 
+# Secrets that must never reach a message: gateways and proxies echo request headers in errors.
+_SECRETS: set[str] = set()
+REDACTED = "[redacted]"
+
+
+def keep_secret(value: str | None) -> None:
+    """Redact `value` (the gateway key) from every upstream error message from now on."""
+    if value and len(value.strip()) >= 6:
+        _SECRETS.add(value.strip())
+
+
+def redact(text: str) -> str:
+    for secret in _SECRETS:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
 class UpstreamError(Exception):
-    """A failure of the upstream call, already classified."""
+    """A failure of the upstream call, already classified; its message never holds a kept secret."""
 
     def __init__(
         self,
@@ -57,6 +74,7 @@ class UpstreamError(Exception):
         retry_after: float | None = None,
         status: int | None = None,
     ) -> None:
+        message = redact(message)
         super().__init__(message)
         self.kind: Kind = kind
         self.message = message
