@@ -122,7 +122,7 @@ class Settings(BaseSettings):
 
     @property
     def is_loopback(self) -> bool:
-        if self.host in ("localhost", ""):
+        if self.host == "localhost":  # "" binds every interface, like 0.0.0.0
             return True
         try:
             return ipaddress.ip_address(self.host.strip("[]")).is_loopback

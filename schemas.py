@@ -24,7 +24,9 @@ class SettingsPatch(Strict):
     web_search: StrictBool | None = None
     web_fetch: StrictBool | None = None
     tool_instructions: StrictStr | None = Field(None, max_length=10_000)
-    compression_prompt: StrictStr | None = Field(None, max_length=50_000)
+    # The pattern only tells OpenAPI clients (and generated tests) what the validator below checks.
+    compression_prompt: StrictStr | None = Field(None, max_length=50_000,
+                                                 json_schema_extra={"pattern": r"\{transcript\}"})
 
     @field_validator("compression_prompt")
     @classmethod
@@ -57,7 +59,8 @@ class ConversationPatch(Strict):
 
 
 class MessageCreate(Strict):
-    content: StrictStr
+    # The pattern (some non-space character) tells OpenAPI clients what `_not_blank` checks.
+    content: StrictStr = Field(json_schema_extra={"pattern": r"\S"})
 
     @field_validator("content")
     @classmethod
@@ -74,6 +77,10 @@ class Empty(Strict):
 class ModelCreate(Strict):
     id: ModelId
     tier: Literal["fast", "balanced", "frontier"] = "balanced"
+
+
+class Login(Strict):
+    token: StrictStr = Field(min_length=1, max_length=1000)
 
 
 class MemoryPut(Strict):

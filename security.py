@@ -8,7 +8,9 @@ disconnect detection pass through untouched.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import re
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -21,14 +23,30 @@ STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
 TOKEN_COOKIE = "chat_token"
 # Reachable without the token, so a person can open the page and log in.
 PUBLIC_PATHS = {"/", "/healthz", "/api/login"}
+# Sent with every answer: no other site may frame the page (clickjacking) or sniff a type into one.
+SECURITY_HEADERS = [
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+# A whole Host header: a name or a bracketed IPv6 literal, then at most a numeric port.
+_HOST = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9._-]+)(?::[0-9]{1,5})?")
 
 
-def _host_name(value: str) -> str:
-    """The host part of a Host header or an Origin's netloc, lower-cased, without port."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[: value.find("]") + 1] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+def _host_name(value: str) -> str | None:
+    """The host part of a Host header, lower-cased, without port; None when it is not a plain host[:port]."""
+    match = _HOST.fullmatch(value.strip().lower())
+    return match["name"] if match else None
+
+
+def login_cookie(token: str) -> str:
+    """The login cookie's value: derived from the token, so a copied cookie jar does not hold the token."""
+    return hmac.new(token.encode(), b"chat-server login cookie", hashlib.sha256).hexdigest()
+
+
+def token_matches(offered: str, token: str) -> bool:
+    return hmac.compare_digest(offered.encode(), token.encode())
 
 
 def _json_error(status: int, detail: str) -> list[dict]:
@@ -41,9 +59,11 @@ def _json_error(status: int, detail: str) -> list[dict]:
 
 
 def allowed_hosts(settings: Settings) -> set[str]:
-    hosts = LOOPBACK_NAMES | set(settings.allowed_hosts)
-    if not settings.is_loopback:
-        hosts.add(_host_name(settings.host))
+    hosts = LOOPBACK_NAMES | {h for h in map(_host_name, settings.allowed_hosts) if h}
+    bound = settings.host.strip()
+    # The address the server binds is a name it answers to (127.0.0.2, a LAN address with a token).
+    if bound and (name := _host_name(f"[{bound.strip('[]')}]" if ":" in bound else bound)):
+        hosts.add(name)
     return hosts
 
 
@@ -58,6 +78,7 @@ class Guard:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = _with_security_headers(send)
         if self.settings is None:
             self.settings = scope["app"].state.chat.settings
             self.allowed_hosts = allowed_hosts(self.settings)
@@ -85,8 +106,7 @@ class Guard:
                 return 403, "cross-origin request refused"
         token = self.settings.access_token
         if token and scope["path"] not in PUBLIC_PATHS and not scope["path"].startswith("/static/"):
-            offered = _offered_token(headers)
-            if not (offered and hmac.compare_digest(offered.encode(), token.encode())):
+            if not _authorised(headers, token):
                 return 401, "this server needs its access token (Authorization: Bearer, or log in on the page)"
         return None
 
@@ -122,15 +142,25 @@ class Guard:
             await send(message)
 
 
-def _offered_token(headers: dict) -> str | None:
+def _authorised(headers: dict, token: str) -> bool:
+    """The token as `Authorization: Bearer`, or the login cookie derived from it (constant-time compares)."""
     auth = headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
+    if auth[:7].lower() == "bearer " and token_matches(auth[7:].strip(), token):
+        return True
     for part in headers.get("cookie", "").split(";"):
         name, _, value = part.strip().partition("=")
-        if name == TOKEN_COOKIE:
-            return value
-    return None
+        if name == TOKEN_COOKIE and token_matches(value, login_cookie(token)):
+            return True
+    return False
+
+
+def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:
+    async def send_with_headers(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+        await send(message)
+
+    return send_with_headers
 
 
 def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:

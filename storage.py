@@ -112,6 +112,22 @@ def upgrade(conv: dict) -> dict:
     return conv
 
 
+def check_shape(conv: dict) -> None:
+    """The fields every route relies on have the right types; ValueError names the first that does not."""
+    for name in ("id", "title", "model", "created_at", "updated_at", "summary"):
+        if not isinstance(conv.get(name), str):
+            raise ValueError(f"{name} is not a string")
+    if not isinstance(conv.get("settings"), dict) or not isinstance(conv.get("totals"), dict):
+        raise ValueError("settings or totals is not an object")
+    messages = conv.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError("messages is not a list")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError("messages holds an entry without a string id, role and content")
+
+
 def _dumps(obj: object) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n"
 
@@ -151,10 +167,20 @@ class Store:
             return cached[1]
         try:
             conv = orjson.loads(path.read_bytes())
-            if not isinstance(conv, dict) or conv.get("id") != conv_id:
-                raise ValueError("not a conversation of this server (id mismatch)")
+        except IsADirectoryError:
+            raise Damaged(path, "a directory, not a conversation file") from None
+        except OSError as exc:
+            raise Damaged(path, f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+        except orjson.JSONDecodeError as exc:
+            raise Damaged(path, f"damaged JSON ({exc})") from None
+        try:
+            if not isinstance(conv, dict):
+                raise ValueError("not a conversation (a JSON object is expected)")
+            if conv.get("id") != conv_id:
+                raise ValueError("not a conversation of this server (its id differs from its file name)")
             conv = upgrade(conv)
-        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            check_shape(conv)
+        except (ValueError, TypeError, AttributeError) as exc:
             raise Damaged(path, str(exc) or type(exc).__name__) from None
         self._cache[conv_id] = (stamp, conv)
         return conv
@@ -178,7 +204,9 @@ class Store:
         self._cache[conv["id"]] = ((stat.st_mtime_ns, stat.st_size), conv)
 
     def delete(self, conv_id: str) -> None:
+        """Remove a conversation; a damaged file is refused (Damaged) like any other write."""
         path = self._path(conv_id)
+        self.get(conv_id)
         self._cache.pop(conv_id, None)
         try:
             path.unlink()
@@ -202,10 +230,20 @@ class Store:
         return out
 
     def read_memory(self) -> str:
+        """The memory file; bytes that are not UTF-8 are shown replaced (and logged), never fatal."""
         try:
-            return self.memory_path.read_text(encoding="utf-8")
+            raw = self.memory_path.read_bytes()
         except FileNotFoundError:
             return ""
+        except OSError as exc:
+            log.warning("ignoring unreadable %s: %s", self.memory_path.name, exc)
+            return ""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            log.warning("%s is not valid UTF-8 (%s); showing it with replacement characters",
+                        self.memory_path.name, exc)
+            return raw.decode("utf-8", "replace")
 
     def write_memory(self, text: str) -> None:
         atomic_write(self.memory_path, text.encode("utf-8"))
@@ -215,10 +253,14 @@ class Store:
             data = orjson.loads(self.models_path.read_bytes())
         except FileNotFoundError:
             return []
-        except orjson.JSONDecodeError as exc:
+        except (OSError, orjson.JSONDecodeError) as exc:
             log.warning("ignoring damaged %s: %s", self.models_path.name, exc)
             return []
-        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if not isinstance(data, list):
+            log.warning("ignoring damaged %s: not a JSON list", self.models_path.name)
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
 
     def write_custom_models(self, models: list[dict]) -> None:
         atomic_write(self.models_path, _dumps(models))
