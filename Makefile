@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+LITELLM := bench/.venv-litellm
 
 .PHONY: run test bench browser-deps
 
@@ -12,8 +13,21 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-dev browser-deps
 	$(PY) -m pytest
 
-bench: $(VENV)/.installed-dev
+bench: $(VENV)/.installed-bench $(LITELLM)/.installed
 	$(PY) bench/run.py
+
+# The benchmark profiles slow turns with py-spy.
+$(VENV)/.installed-bench: $(VENV)/.installed-dev
+	$(PY) -m pip install -q --disable-pip-version-check py-spy==0.4.3
+	touch $@
+
+# LiteLLM's proxy, the peer the benchmark compares against, in a venv of its own. 1.106.12 is the newest
+# release whose [proxy] extra resolves from PyPI (later ones pin companion packages never published there).
+# A failed install does not stop the benchmark: it runs without LiteLLM and says why.
+$(LITELLM)/.installed:
+	($(PYTHON) -m venv $(LITELLM) \
+		&& $(LITELLM)/bin/pip install -q --disable-pip-version-check 'litellm[proxy]==1.106.12' >$(LITELLM)/install.log 2>&1 \
+		&& touch $@) || echo "LiteLLM did not install; see $(LITELLM)/install.log"
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)

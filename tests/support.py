@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -11,6 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+from config import Settings
+from server import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,3 +115,13 @@ class LiveServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self._log.close()
+
+
+@contextlib.asynccontextmanager
+async def serve(settings: Settings):
+    """The real app over ASGI, with its lifespan, under the given settings."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
+            yield app, client

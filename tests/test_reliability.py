@@ -9,7 +9,6 @@ what the person typed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -23,21 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import LiveServer, free_port, names, parse_sse
+from support import serve, LiveServer, free_port, names, parse_sse
 from config import Settings
-from server import create_app
 from simulator import Script, errors, steps
 from storage import new_id
-
-
-@contextlib.asynccontextmanager
-async def serve(settings: Settings):
-    """The real app over ASGI, with its lifespan, under the given settings."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
-            yield app, client
 
 
 async def new_conversation(client: httpx.AsyncClient, *, tools: bool = False) -> str:

@@ -20,22 +20,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from support import free_port, names, parse_sse
+from support import serve, free_port, names, parse_sse
 from config import Settings
-from server import create_app
 from simulator import Script, errors, steps
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@contextlib.asynccontextmanager
-async def serve(settings: Settings):
-    """The real app over ASGI, with its lifespan, under the given settings."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=30) as client:
-            yield app, client
 
 
 def snapshot(data_dir: Path) -> dict[str, bytes]:

@@ -1,0 +1,1048 @@
+"""`make bench`: the server's overhead, Stop latency, cost of long histories and memory, measured
+on loopback against the gateway simulator, beside a bare relay (the ceiling) and LiteLLM's proxy
+(the peer a person would otherwise put in front of a gateway).
+
+Every party runs in a process of its own: the simulator (`gateway.py`), our server (a real
+`uvicorn server:app`, one worker, DATA_DIR in a temporary directory), the bare relay
+(`relay.py`), LiteLLM's proxy (from `bench/.venv-litellm`), and, per phase, the load generator
+(`load.py`). The machine has two cores, so they still compete for CPU; the direct-to-simulator
+runs pay the same simulator and client costs, which is why figures are reported as time *added*
+over those runs.
+
+What is timed (all clocks are `time.monotonic()`, shared by every process on Linux):
+- time to first byte (TTFB): from just before the client connects to the first event carrying
+  reply text. For our server that is the first `delta` event (its `start` event comes earlier
+  and is not counted); for chat-completions streams, the first chunk with non-empty
+  `delta.content`. Our TTFB therefore includes committing the person's message to disk
+  (an fsynced atomic write) and assembling the prompt.
+- time to last byte (TTLB): to the stream's terminal event: `done` for our server (sent after the
+  reply is saved, again fsynced), `data: [DONE]` for chat completions.
+- added time at percentile p: p of the target's times minus p of the direct runs at the same
+  concurrency (two independent samples, so a percentile of differences is not defined).
+
+Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
+(`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
+Every load loop is bounded by a request count and a phase deadline, and targets only 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing
+import os
+import platform
+import random
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+
+import gateway  # noqa: E402  (bench/ is on sys.path as the script's directory)
+from storage import SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
+
+PY = sys.executable
+LITELLM_VENV = BENCH / ".venv-litellm"
+HOST = "127.0.0.1"
+
+# The simulated model's pace per phase: `words` one-word chunks, `delay` seconds before each.
+OVERHEAD_REPLY = {"words": 40, "delay": 0.05}  # 20 tokens/s, two seconds per reply
+SUSTAIN_REPLY = {"words": 120, "delay": 0.05}  # 20 tokens/s for six seconds
+STOP_REPLY = {"words": 400, "delay": 0.02}  # long enough to be stopped mid-stream
+HISTORY_REPLY = {"words": 5, "delay": 0.0}
+# Requests per client at each concurrency; client starts are spread over `spread` seconds so
+# that the streams overlap in steady state rather than all starting in one instant.
+OVERHEAD_LEVELS = {1: {"rounds": 20, "spread": 0.0}, 50: {"rounds": 2, "spread": 2.0},
+                   200: {"rounds": 2, "spread": 2.0}}
+SUSTAIN_STREAMS = 400
+SUSTAIN_SPREAD = 1.0
+STOP_SAMPLES = 60
+STOP_CLIENTS = 10
+STOP_AFTER = (3, 6, 10)
+HISTORY_SIZES = (10, 1_000, 10_000)
+HISTORY_TURNS = 5
+PROFILE_TURNS = 5
+
+HISTORY_TARGET_MS = 50.0  # over this, the longest conversation's turns are profiled
+TMPFS = "/dev/shm"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# Processes this run started (simulator, servers, relay, LiteLLM): their CPU is not "other load".
+OWN_PIDS: list[int] = []
+# LiteLLM refuses to start without a master key; a fresh one per run, never stored.
+MASTER_KEY = "sk-" + secrets.token_hex(32)
+
+
+# --- Processes ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its descendants (LiteLLM may fork), in MB."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, AttributeError):
+            continue
+    return total / 1024
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a running process has used (all its threads)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class Service:
+    """A child process serving HTTP on loopback, logging to a file, stopped by its own pid."""
+
+    def __init__(self, name: str, argv: list[str], port: int, ready_path: str, env: dict, cwd: Path,
+                 log_dir: Path) -> None:
+        self.name, self.port, self.ready_path = name, port, ready_path
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        OWN_PIDS.append(self.proc.pid)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                httpx.get(self.url + self.ready_path, timeout=1.0)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not answer within {timeout:.0f}s: {self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def rss_mb(self) -> float:
+        return tree_rss_mb(self.proc.pid)
+
+    def cpu_seconds(self) -> float:
+        return process_cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+class Gateway:
+    """The simulator process (`gateway.serve`) and the pipe that scripts it."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=gateway.serve, args=(child, free_port()), name="gateway", daemon=True)
+        self.proc.start()
+        OWN_PIDS.append(self.proc.pid)
+        if not self.conn.poll(30):
+            raise RuntimeError("the gateway simulator did not start within 30s")
+        self.base_url = self.conn.recv()
+
+    def call(self, *command, timeout: float = 60.0):
+        self.conn.send(command)
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"the gateway simulator did not answer {command[0]!r} within {timeout:.0f}s")
+        return self.conn.recv()
+
+    def script(self, reply: dict, count: int) -> None:
+        self.call("reset")
+        self.call("enqueue", reply, count)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop", timeout=15)
+            except (RuntimeError, OSError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def start_server(gw: Gateway, data_dir: Path, log_dir: Path, name: str = "server") -> Service:
+    # cwd is the data directory, so a developer's .env in the repository does not leak in.
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DATA_DIR": str(data_dir), "GATEWAY_BASE_URL": gw.base_url,
+           "GATEWAY_API_KEY": "", "HOST": HOST, "ACCESS_TOKEN": ""}
+    port = free_port()
+    svc = Service(name, [PY, "-m", "uvicorn", "server:app", "--host", HOST, "--port", str(port),
+                             "--workers", "1", "--log-level", "warning"], port, "/healthz", env, data_dir, log_dir)
+    svc.wait_ready(60)
+    return svc
+
+
+def start_relay(gw: Gateway, log_dir: Path) -> Service:
+    env = {**os.environ, "PYTHONPATH": str(BENCH), "UPSTREAM_URL": gw.base_url + "/v1/chat/completions"}
+    port = free_port()
+    svc = Service("relay", [PY, "-m", "uvicorn", "relay:app", "--host", HOST, "--port", str(port),
+                            "--workers", "1", "--log-level", "warning"], port, "/docs", env, log_dir, log_dir)
+    svc.wait_ready(60)
+    return svc
+
+
+def start_litellm(gw: Gateway, log_dir: Path, master_key: str) -> Service:
+    """LiteLLM's proxy, one worker, with the simulator as an OpenAI-compatible provider."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not (LITELLM_VENV / ".installed").exists():
+        log = LITELLM_VENV / "install.log"
+        errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("ERROR")] \
+            if log.exists() else []
+        raise RuntimeError("LiteLLM is not installed (`make bench` installs it into bench/.venv-litellm)"
+                           + (": " + " ".join(errors)[-600:] if errors else ""))
+    config = log_dir / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: bench\n"
+        "    litellm_params:\n"
+        "      model: openai/bench\n"
+        f"      api_base: {gw.base_url}/v1\n"
+        "      api_key: sk-simulator\n")
+    # The local cost map: the stock one is fetched from the network at start-up.
+    env = {**os.environ, "LITELLM_MASTER_KEY": master_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    port = free_port()
+    svc = Service("litellm", [str(exe), "--config", str(config), "--host", HOST, "--port", str(port),
+                              "--num_workers", "1"], port, "/health/liveliness", env, log_dir, log_dir)
+    svc.wait_ready(120)
+    return svc
+
+
+# --- Load --------------------------------------------------------------------------------------
+
+@dataclass
+class Load:
+    """What one load phase returned: the client's records, the watched service's peak RSS, and
+    the share of the machine's CPU that processes other than the benchmark's used meanwhile."""
+
+    records: list[dict]
+    rss_mb_peak: float | None
+    other_cpu: float
+    cpu_seconds: float | None  # the watched service's CPU during the phase
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def own_busy_seconds() -> float:
+    """CPU seconds used by this run: this process, its reaped children (load generators), and the
+    services and simulator still running."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    return total + sum(process_cpu_seconds(pid) for pid in OWN_PIDS)
+
+
+class Quiet:
+    """Waits, within a bounded budget, for other processes to leave the CPU before a measurement.
+
+    Other people's builds and browser tests share this machine's two cores; a measurement taken
+    while they run says more about them than about the server. Each wait is short and the whole
+    run's waiting is capped, so a machine that never quiets down still finishes (and the tables
+    say how busy it was).
+    """
+
+    threshold = 0.2  # other processes' share of all cores that counts as quiet
+    per_call = 15.0
+    budget = 150.0
+    waited = 0.0
+
+    @classmethod
+    def wait(cls) -> None:
+        deadline = time.monotonic() + min(cls.per_call, cls.budget - cls.waited)
+        began = time.monotonic()
+        while time.monotonic() < deadline:
+            machine0, own0 = machine_busy_seconds(), own_busy_seconds()
+            time.sleep(0.5)
+            other = (machine_busy_seconds() - machine0) - (own_busy_seconds() - own0)
+            if other / (0.5 * (os.cpu_count() or 1)) < cls.threshold:
+                break
+        cls.waited += time.monotonic() - began
+
+
+def run_load(spec: dict, watch: Service | None, work: Path) -> Load:
+    """Run one load phase in its own process, watching a service's memory and the machine's other load."""
+    Quiet.wait()
+    spec_path, out_path = work / "spec.json", work / "records.json"
+    spec_path.write_bytes(orjson.dumps(spec))
+    peak = watch.rss_mb() if watch else None
+    cpu0 = watch.cpu_seconds() if watch else None
+    began, machine0, own0 = time.monotonic(), machine_busy_seconds(), own_busy_seconds()
+    with open(spec_path, "rb") as stdin, open(out_path, "wb") as stdout:
+        proc = subprocess.Popen([PY, str(BENCH / "load.py")], stdin=stdin, stdout=stdout)
+        deadline = time.monotonic() + spec["phase_timeout"] + 30
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError("the load generator overran its phase deadline")
+            if watch:
+                peak = max(peak, watch.rss_mb())
+            time.sleep(0.05)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the load generator failed with exit code {proc.returncode}")
+    elapsed = time.monotonic() - began
+    other = (machine_busy_seconds() - machine0) - (own_busy_seconds() - own0)
+    cpu = watch.cpu_seconds() - cpu0 if watch else None
+    return Load(orjson.loads(out_path.read_bytes()), peak, max(0.0, other) / (elapsed * (os.cpu_count() or 1)), cpu)
+
+
+class Tags:
+    """`bench-tag-N` markers, unique within a run, carried in each request's last message."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> str:
+        self.n += 1
+        return f"bench-tag-{self.n}"
+
+
+def chat_request(tag: str) -> dict:
+    """A chat-completions request shaped like the one our server sends for a short conversation."""
+    body = {
+        "model": "bench",
+        "messages": [
+            {"role": "system", "content": [
+                {"type": "text", "text": "You are a helpful assistant.", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": f"Today's date: {dt.date.today().isoformat()}"}]},
+            {"role": "user", "content": f"Tell me something interesting. {tag}"},
+        ],
+        "max_tokens": 4096, "stream": True, "stream_options": {"include_usage": True},
+    }
+    return {"path": "/v1/chat/completions", "body": orjson.dumps(body).decode(), "tag": tag}
+
+
+def turn_request(conv_id: str, tag: str) -> dict:
+    return {"path": f"/api/conversations/{conv_id}/messages",
+            "body": orjson.dumps({"content": f"Tell me something interesting. {tag}"}).decode(), "tag": tag}
+
+
+def load_spec(port: int, dialect: str, clients: list[list[dict]], *, spread: float, phase_timeout: float,
+              request_timeout: float, keep_gaps: bool = False, stop_after: int | None = None) -> dict:
+    # Every target is sent LiteLLM's master key; the others ignore it.
+    return {"host": HOST, "port": port, "dialect": dialect, "token": MASTER_KEY, "clients": clients, "spread": spread,
+            "phase_timeout": phase_timeout, "request_timeout": request_timeout, "keep_gaps": keep_gaps,
+            "stop_after": stop_after}
+
+
+def create_conversations(server: Service, n: int) -> list[str]:
+    """Conversations on the chat-completions path (web tools off), as the relay and LiteLLM speak it."""
+    ids = []
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for _ in range(n):
+            conv = client.post("/api/conversations", json={}).raise_for_status().json()
+            client.patch(f"/api/conversations/{conv['id']}",
+                         json={"settings": {"web_search": False, "web_fetch": False}}).raise_for_status()
+            ids.append(conv["id"])
+    return ids
+
+
+# --- Statistics --------------------------------------------------------------------------------
+
+def pct(values: list[float], q: float) -> float | None:
+    """Percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 2)
+
+
+def summarize(records: list[dict]) -> dict:
+    ok = [r for r in records if r["ok"]]
+    ttfb = [r["first"] - r["start"] for r in ok if r["first"] is not None]
+    ttlb = [r["end"] - r["start"] for r in ok]
+    gaps = [g for r in ok for g in r.get("gaps", [])]
+    errors = Counter(r["error"] for r in records if not r["ok"])
+    return {
+        "requests": len(records), "completed": len(ok), "errors": dict(errors.most_common(3)),
+        "ttfb": {q: pct(ttfb, q) for q in (50, 90, 99)}, "ttlb": {q: pct(ttlb, q) for q in (50, 90, 99)},
+        "gap": {q: pct(gaps, q) for q in (50, 99, 100)} if gaps else None, "gap_count": len(gaps),
+    }
+
+
+# --- Phases ------------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """Something to load: the simulator itself, a relay in front of it, or one of our servers."""
+
+    name: str  # also the results.json prefix ("" for our server)
+    label: str
+    port: int
+    dialect: str  # "chat" or "turn" (load.py)
+    service: Service | None = None  # watched for memory; None for the simulator, which is not measured
+    convs: list[str] = field(default_factory=list)  # our servers: conversations to run turns on
+
+    def clients(self, tags: Tags, count: int, rounds: int) -> list[list[dict]]:
+        """`count` clients of `rounds` requests; on our servers each client has its own conversation."""
+        if self.dialect == "turn":
+            return [[turn_request(self.convs[i], tags()) for _ in range(rounds)] for i in range(count)]
+        return [[chat_request(tags()) for _ in range(rounds)] for _ in range(count)]
+
+
+def phase_overhead(gw: Gateway, targets: list[Target], tags: Tags, work: Path, log) -> dict:
+    """TTFB and TTLB at 1, 50 and 200 concurrent streams, for every target, interleaved per level."""
+    out: dict = {}
+    for level, shape in OVERHEAD_LEVELS.items():
+        for target in targets:
+            gw.script(OVERHEAD_REPLY, level * shape["rounds"] + 50)
+            spec = load_spec(target.port, target.dialect, target.clients(tags, level, shape["rounds"]),
+                             spread=shape["spread"], phase_timeout=180, request_timeout=120)
+            load = run_load(spec, target.service, work)
+            summary = summarize(load.records)
+            summary["rss_mb_peak"], summary["other_cpu"] = load.rss_mb_peak, load.other_cpu
+            summary["cpu_ms_per_stream"] = (load.cpu_seconds * 1000 / summary["requests"]
+                                            if load.cpu_seconds is not None else None)
+            out[(target.name, level)] = summary
+            log(f"  {target.label:22s} x{level:<3d} completed {summary['completed']}/{summary['requests']} "
+                f"ttfb p50 {ms(summary['ttfb'][50])} p99 {ms(summary['ttfb'][99])} ms, "
+                f"ttlb p50 {ms(summary['ttlb'][50])} p99 {ms(summary['ttlb'][99])} ms"
+                + (f", rss peak {summary['rss_mb_peak']:.0f} MB" if summary["rss_mb_peak"] else "")
+                + (f", cpu {summary['cpu_ms_per_stream']:.1f} ms/stream" if summary["cpu_ms_per_stream"] else "")
+                + f", other load {summary['other_cpu']:.0%}"
+                + (f", errors {summary['errors']}" if summary["errors"] else ""))
+    return out
+
+
+def phase_sustain(gw: Gateway, targets: list[Target], tags: Tags, work: Path, log) -> dict:
+    """400 streams at 20 tokens/s held open together: the gaps between events as the client sees them."""
+    out = {}
+    n = SUSTAIN_STREAMS
+    for target in targets:
+        gw.script(SUSTAIN_REPLY, n + 50)
+        spec = load_spec(target.port, target.dialect, target.clients(tags, n, 1), spread=SUSTAIN_SPREAD,
+                         phase_timeout=150, request_timeout=140, keep_gaps=True)
+        load = run_load(spec, target.service, work)
+        summary = summarize(load.records)
+        summary["rss_mb_peak"], summary["other_cpu"] = load.rss_mb_peak, load.other_cpu
+        out[target.name] = summary
+        gap = summary["gap"] or {}
+        log(f"  {target.label:22s} x{n} completed {summary['completed']}/{summary['requests']} "
+            f"gap p50 {ms(gap.get(50))} p99 {ms(gap.get(99))} max {ms(gap.get(100))} ms, "
+            f"ttfb p99 {ms(summary['ttfb'][99])} ms, other load {summary['other_cpu']:.0%}"
+            + (f", errors {summary['errors']}" if summary["errors"] else ""))
+    return out
+
+
+def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log) -> dict:
+    """Close the client socket mid-stream; time until the simulator sees the upstream socket close.
+
+    Each sample uses a conversation of its own, so no sample waits on another's save. The client
+    closes after 3, 6 or 10 deltas (a third of the samples each), so closes land at different points.
+    """
+    per_variant = STOP_SAMPLES // len(STOP_AFTER)
+    rounds = per_variant // STOP_CLIENTS
+    gw.script(STOP_REPLY, STOP_SAMPLES + 20)
+    records = []
+    for k, stop_after in enumerate(STOP_AFTER):
+        first = k * per_variant
+        clients = [[turn_request(target.convs[first + c * rounds + r], tags()) for r in range(rounds)]
+                   for c in range(STOP_CLIENTS)]
+        records += run_load(load_spec(target.port, "turn", clients, spread=0.5, phase_timeout=120,
+                                      request_timeout=30, stop_after=stop_after), None, work).records
+    sim = {r["tag"]: r for r in gw.call("records", 10.0)}
+    closes = []
+    for r in records:
+        upstream = sim.get(r["tag"])
+        if r["stopped"] is not None and upstream is not None and upstream["disconnected_at"] is not None:
+            closes.append(upstream["disconnected_at"] - r["stopped"])
+    out = {"samples": len(records), "closed": len(closes), "close": {q: pct(closes, q) for q in (50, 90, 99, 100)}}
+    log(f"  {target.label}: {len(closes)}/{len(records)} upstream closes seen; p50 {ms(out['close'][50])} "
+        f"p99 {ms(out['close'][99])} max {ms(out['close'][100])} ms")
+    return out
+
+
+WORDS = ("the of and to in is that for it as with was on be by this are from or at an not have but which we "
+         "can you they all their has more one will if about would there use when so what some out up into them "
+         "than other only new time these could may most also any then first like over such our very python "
+         "server stream token cache model gateway budget summary memory browser request reply").split()
+
+
+def prose(rng: random.Random, chars: int) -> str:
+    words, size = [], 0
+    while size < chars:
+        word = rng.choice(WORDS) + rng.choice(("", "", "", "s", ",", "."))
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+def write_history(data_dir: Path, template: dict, n: int) -> tuple[str, float]:
+    """A conversation of `n` messages in the stored format, written straight into DATA_DIR.
+
+    Person ~300 characters, reply ~1,200, each reply with measured usage, as a conversation
+    that grew turn by turn would have. The budget is raised so that no compression runs:
+    this measures carrying the history, not folding it. Returns (id, file size in MB).
+    """
+    rng = random.Random(n)
+    messages, prompt = [], 0
+    for i in range(n):
+        created = now_iso()
+        if i % 2 == 0:
+            messages.append({"id": new_id(), "role": "user", "content": prose(rng, 300), "created_at": created})
+        else:
+            content = prose(rng, 1200)
+            usage = {"input_tokens": prompt, "output_tokens": len(content) // 4, "cached_tokens": int(prompt * 0.9),
+                     "cache_write_tokens": 0, "cost": 0.0001, "searches": 0, "fetches": 0, "estimated": False}
+            messages.append({"id": new_id(), "role": "assistant", "content": content, "created_at": created,
+                             "model": template["model"], "status": "complete", "activity": [], "citations": [],
+                             "usage": usage})
+        prompt += len(messages[-1]["content"]) // 4 + 4
+    conv_id = new_id()
+    totals = {**empty_totals(), "turns": n // 2}
+    conv = {"schema_version": SCHEMA_VERSION, "id": conv_id, "title": f"History of {n} messages",
+            "model": template["model"], "created_at": now_iso(), "updated_at": now_iso(),
+            "settings": {**template["settings"], "context_budget": 10_000_000}, "summary": "",
+            "messages": messages, "last_prompt_tokens": prompt, "totals": totals}
+    path = data_dir / "conversations" / f"{conv_id}.json"
+    path.write_bytes(orjson.dumps(conv, option=orjson.OPT_INDENT_2) + b"\n")
+    return conv_id, path.stat().st_size / 1e6
+
+
+def timed_turns(gw: Gateway, server: Service, conv_id: str, tags: Tags, work: Path, turns: int) -> list[dict]:
+    """Sequential turns; server time = wall time minus the span the simulator spent answering."""
+    gw.script(HISTORY_REPLY, turns + 5)
+    records = run_load(load_spec(server.port, "turn", [[turn_request(conv_id, tags()) for _ in range(turns)]],
+                                    spread=0, phase_timeout=240, request_timeout=60), None, work).records
+    sim = {r["tag"]: r for r in gw.call("records", 10.0)}
+    out = []
+    for r in records:
+        upstream = sim.get(r["tag"])
+        if not r["ok"] or upstream is None or upstream["finished_at"] is None:
+            out.append({"ok": False, "error": r["error"]})
+            continue
+        wall = r["end"] - r["start"]
+        gateway_span = upstream["finished_at"] - upstream["started_at"]
+        out.append({"ok": True, "wall": wall, "server": wall - gateway_span, "ttfb": r["first"] - r["start"],
+                    "before_upstream": upstream["started_at"] - r["start"],
+                    "after_upstream": r["end"] - upstream["finished_at"]})
+    return out
+
+
+def phase_history(gw: Gateway, server: Service, data_dir: Path, template: dict, tags: Tags, work: Path,
+                  log) -> dict:
+    """Per-turn server time for conversations of each size in HISTORY_SIZES (medians of a few turns)."""
+    out = {}
+    for n in HISTORY_SIZES:
+        conv_id, size_mb = write_history(data_dir, template, n)
+        # The page opens a conversation before its first turn; that read (and parse) is not the turn's.
+        httpx.get(f"{server.url}/api/conversations/{conv_id}", timeout=60).raise_for_status()
+        turns = timed_turns(gw, server, conv_id, tags, work, HISTORY_TURNS)
+        good = [t for t in turns if t["ok"]]
+        out[n] = {"id": conv_id, "file_mb": size_mb, "turns": len(turns), "ok": len(good),
+                  **{k: pct([t[k] for t in good], 50) for k in ("server", "wall", "ttfb", "before_upstream",
+                                                                 "after_upstream")}}
+        log(f"  {n:>6d} messages ({size_mb:.1f} MB): {len(good)}/{len(turns)} turns, server p50 "
+            f"{ms(out[n]['server'])} ms (before upstream {ms(out[n]['before_upstream'])}, after "
+            f"{ms(out[n]['after_upstream'])}), wall {ms(out[n]['wall'])} ms, ttfb {ms(out[n]['ttfb'])} ms")
+    return out
+
+
+def profile_history(gw: Gateway, server: Service, conv_id: str, tags: Tags, work: Path, log) -> list[tuple]:
+    """py-spy over a few turns of the longest conversation: ("ours"|"leaf", share of busy samples, frame)."""
+    py_spy = Path(PY).parent / "py-spy"
+    if not py_spy.exists():
+        log("  py-spy is not installed (`make bench` installs it): no profile")
+        return []
+    raw = work / "profile.txt"
+    spy = subprocess.Popen([str(py_spy), "record", "--pid", str(server.proc.pid), "--format", "raw",
+                            "--output", str(raw), "--rate", "1000", "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches before the first turn starts
+    timed_turns(gw, server, conv_id, tags, work, PROFILE_TURNS)
+    spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+    try:
+        spy.wait(30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+    if not raw.exists():
+        log("  py-spy wrote no profile")
+        return []
+    inclusive: Counter = Counter()
+    leaf: Counter = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        leaf[stack.split(";")[-1]] += int(count)  # with its line: which call of the function
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        # The project's own functions (bare file names; libraries show their package path), each
+        # counted once per sample however deep it recurs.
+        for frame in {f for f in frames if re.search(r"\((\w+)\.py\)$", f)}:
+            inclusive[frame] += int(count)
+    if not total:
+        return []
+    shutil.copy(raw, BENCH / "profile_history_10k.txt")
+    return ([("ours", round(c / total * 100, 1), f) for f, c in inclusive.most_common(12)]
+            + [("leaf", round(c / total * 100, 1), f) for f, c in leaf.most_common(8)])
+
+
+# --- Reporting ---------------------------------------------------------------------------------
+
+def disk_write_ms(directory: Path, writes: int = 100) -> tuple[float, float]:
+    """p50 and p99 of the store's own atomic write of a 4 KB file in `directory`, in ms."""
+    from storage import atomic_write
+
+    times = []
+    for _ in range(writes):
+        t = time.perf_counter()
+        atomic_write(directory / "probe.json", b"x" * 4096)
+        times.append(time.perf_counter() - t)
+    (directory / "probe.json").unlink()
+    return ms(pct(times, 50)), ms(pct(times, 99))
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    mem = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
+    return {"nproc": os.cpu_count(), "cpu_model": cpu, "python": platform.python_version(),
+            "kernel": platform.release(), "mem_gb": round(int(mem.group(1)) / 1024 / 1024, 1) if mem else None,
+            "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def litellm_version() -> str | None:
+    try:
+        out = subprocess.run([str(LITELLM_VENV / "bin" / "python"), "-c",
+                              "import importlib.metadata as m; print(m.version('litellm'))"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def prefix(name: str) -> str:
+    """results.json prefix of a target: our server's keys are bare, the others' carry its name."""
+    return "" if name == "ours" else f"{name}_"
+
+
+def flatten(overhead: dict, sustain: dict, stops: dict, history: dict | None, rss_idle: float) -> dict:
+    """The flat `results.json` keys."""
+    r: dict = {}
+    for (name, level), s in overhead.items():
+        p = prefix(name)
+        r[f"{p}streams_completed_{level}"] = s["completed"]
+        r[f"{p}streams_requested_{level}"] = s["requests"]
+        base = overhead.get(("direct", level))
+        for metric in ("ttfb", "ttlb"):
+            for q in (50, 99):
+                if name == "direct":
+                    r[f"direct_{metric}_p{q}_ms_{level}"] = ms(s[metric][q])
+                elif base is not None and None not in (s[metric][q], base[metric][q]):
+                    r[f"{p}{metric}_added_p{q}_ms_{level}"] = ms(s[metric][q] - base[metric][q])
+                else:
+                    r[f"{p}{metric}_added_p{q}_ms_{level}"] = None
+        if s.get("rss_mb_peak") is not None:
+            r[f"{p}rss_mb_{level}"] = round(s["rss_mb_peak"], 1)
+        if s.get("cpu_ms_per_stream") is not None:
+            r[f"{p}cpu_ms_per_stream_{level}"] = round(s["cpu_ms_per_stream"], 2)
+    for level in OVERHEAD_LEVELS:
+        for metric in ("ttfb", "ttlb"):
+            ours, theirs = r.get(f"{metric}_added_p50_ms_{level}"), r.get(f"litellm_{metric}_added_p50_ms_{level}")
+            # Our added time as a share of LiteLLM's (below 1: we add less). Undefined when LiteLLM adds nothing.
+            r[f"{metric}_ratio_to_litellm_p50_{level}"] = (
+                round(ours / theirs, 3) if ours is not None and theirs is not None and theirs > 0 else None)
+    n = SUSTAIN_STREAMS
+    for name, s in sustain.items():
+        p = prefix(name)
+        r[f"{p}streams_completed_{n}"] = s["completed"]
+        gap = s["gap"] or {}
+        r[f"{p}gap_p50_ms_{n}"], r[f"{p}gap_p99_ms_{n}"], r[f"{p}gap_max_ms_{n}"] = (
+            ms(gap.get(50)), ms(gap.get(99)), ms(gap.get(100)))
+        if s.get("rss_mb_peak") is not None:
+            r[f"{p}rss_mb_{n}"] = round(s["rss_mb_peak"], 1)
+    r["rss_mb_idle"] = round(rss_idle, 1)
+    for name, stop in stops.items():
+        p = prefix(name)
+        r[f"{p}stop_samples"], r[f"{p}stop_closed"] = stop["samples"], stop["closed"]
+        for q, key in ((50, "p50"), (99, "p99"), (100, "max")):
+            r[f"{p}stop_close_{key}_ms"] = ms(stop["close"][q])
+    if history:
+        names = {10: "10", 1_000: "1k", 10_000: "10k"}
+        for size, h in history.items():
+            r[f"turn_server_ms_{names[size]}"] = ms(h["server"])
+            r[f"turn_wall_ms_{names[size]}"] = ms(h["wall"])
+            r[f"turn_ttfb_ms_{names[size]}"] = ms(h["ttfb"])
+            r[f"history_file_mb_{names[size]}"] = round(h["file_mb"], 2)
+        for size in HISTORY_SIZES[1:]:
+            if history[size]["server"] is not None and history[10]["server"] is not None:
+                r[f"turn_added_ms_{names[size]}"] = ms(history[size]["server"] - history[10]["server"])
+    return r
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def verdict(results: dict) -> list[str]:
+    lines = []
+    litellm = results.get("litellm_ttfb_added_p50_ms_1")
+    checks = [
+        ("p50 added TTFB at 1 stream ≤ 3 ms", results.get("ttfb_added_p50_ms_1"), lambda v: v <= 3.0),
+        ("p50 added TTFB at 1 stream below LiteLLM's", results.get("ttfb_added_p50_ms_1"),
+         (lambda v: v < litellm) if litellm is not None else None),
+        ("every stream completes at 200", results.get("streams_completed_200"),
+         lambda v: v == results.get("streams_requested_200")),
+        ("p99 added TTFB at 200 streams < 100 ms", results.get("ttfb_added_p99_ms_200"), lambda v: v < 100.0),
+        ("p99 added TTLB at 200 streams < 100 ms", results.get("ttlb_added_p99_ms_200"), lambda v: v < 100.0),
+        (f"{SUSTAIN_STREAMS} streams at 20 tokens/s all complete", results.get(f"streams_completed_{SUSTAIN_STREAMS}"),
+         lambda v: v == SUSTAIN_STREAMS),
+        (f"p99 gap between events at {SUSTAIN_STREAMS} streams < 150 ms", results.get("gap_p99_ms_400"),
+         lambda v: v < 150.0),
+        ("Stop: p99 browser disconnect → upstream close < 100 ms", results.get("stop_close_p99_ms"),
+         lambda v: v < 100.0),
+        ("10,000-message turn adds < 50 ms over a 10-message one", results.get("turn_added_ms_10k"),
+         lambda v: v < 50.0),
+        ("RSS with 200 open streams < 200 MB", results.get("rss_mb_200"), lambda v: v < 200.0),
+    ]
+    for label, value, test in checks:
+        state = "n/a" if value is None or test is None else ("met" if test(value) else "**MISSED**")
+        lines.append(f"| {label} | {fmt(value)} | {state} |")
+    return lines
+
+
+def write_markdown(results: dict, labels: dict[str, str], overhead: dict, sustain: dict, stops: dict,
+                   history: dict | None, profile: list[tuple], litellm_error: str | None) -> None:
+    m = results
+    order = list(labels)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`bench/run.py`; `--no-litellm`, `--no-tmpfs` and `--skip PHASE` shorten a run); "
+        "every figure below is from the run on the machine named here. Hand-written findings follow the generated "
+        "part and are kept across runs.",
+        "",
+        f"- Machine: {m['nproc']} cores, {m['cpu_model']}, {m['mem_gb']} GiB, Linux {m['kernel']}",
+        f"- Python {m['python']} (server, relay, load generator, simulator); LiteLLM {m.get('litellm_version') or 'n/a'}",
+        f"- Date: {m['date']}; wall time of the run: {m['bench_seconds']:.0f} s, of which {m['quiet_wait_seconds']:.0f} s "
+        "waiting for other processes to leave the CPU before a measurement",
+        "- Every party is its own process on the same 2 cores: simulator, server(s), relay, LiteLLM, load generator.",
+        f"- Disk under DATA_DIR: one 4 KB atomic write (write, fsync, rename, directory fsync) took p50 "
+        f"{fmt(m['disk_write_p50_ms'])} ms, p99 {fmt(m['disk_write_p99_ms'])} ms just before the run.",
+        f"- Other load: load average {m['loadavg_start']} at the start. The *other load* columns give the share of "
+        "the machine's CPU that processes outside this benchmark (other people's builds and tests, browsers) used "
+        "during that measurement; figures taken under other load are slower than the machine can do.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | |",
+        "|---|---|---|",
+        *verdict(results),
+        "",
+        "## Overhead: time added over the simulator alone",
+        "",
+        f"Reply: {OVERHEAD_REPLY['words']} one-token chunks, {OVERHEAD_REPLY['delay'] * 1000:.0f} ms before each "
+        f"(20 tokens/s, {OVERHEAD_REPLY['words'] * OVERHEAD_REPLY['delay']:.0f} s). Requests per client, back to back: "
+        + ", ".join(f"{lvl} stream{'s' if lvl > 1 else ''} × {s['rounds']}" for lvl, s in OVERHEAD_LEVELS.items())
+        + f"; client starts spread over {OVERHEAD_LEVELS[200]['spread']:.0f} s (one reply's length), so the "
+          "concurrency holds near the level (at 200 streams, about 100 new turns a second). Each request opens a new "
+          "connection. TTFB = to the first text event (our `delta`, not `start`); TTLB = to the terminal event (our "
+          "`done`, sent after the reply is fsynced; `[DONE]` elsewhere). Added = the target's percentile − the "
+          "direct percentile at the same concurrency. CPU per stream = the process's CPU time over the "
+          "measurement divided by the streams (less sensitive to other load than the latencies; at 1 stream the "
+          "process's idle housekeeping over the whole measurement dominates it). All times in ms.",
+        "",
+        "| streams | target | completed | TTFB p50 | TTFB p99 | added TTFB p50 | added TTFB p99 | TTLB p50 | TTLB p99 "
+        "| added TTLB p50 | added TTLB p99 | CPU ms per stream | peak RSS MB | other load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, level), s in sorted(overhead.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+        base = overhead.get(("direct", level))
+
+        def added(metric, q, s=s, base=base, name=name):
+            if name == "direct":
+                return ""
+            if base is None or None in (s[metric][q], base[metric][q]):
+                return "n/a"
+            return fmt(ms(s[metric][q] - base[metric][q]))
+
+        lines.append(
+            f"| {level} | {labels[name]} | {s['completed']}/{s['requests']} | {fmt(ms(s['ttfb'][50]))} | "
+            f"{fmt(ms(s['ttfb'][99]))} | {added('ttfb', 50)} | {added('ttfb', 99)} | {fmt(ms(s['ttlb'][50]))} | "
+            f"{fmt(ms(s['ttlb'][99]))} | {added('ttlb', 50)} | {added('ttlb', 99)} | "
+            f"{fmt(round(s['cpu_ms_per_stream'], 2)) if s.get('cpu_ms_per_stream') else ''} | "
+            f"{fmt(round(s['rss_mb_peak'], 1)) if s.get('rss_mb_peak') else ''} | {s['other_cpu']:.0%} |")
+    lines += ["", "Our added p50 as a share of LiteLLM's (below 1: we add less). TTFB: "
+              + ", ".join(f"{lvl} streams {fmt(m.get(f'ttfb_ratio_to_litellm_p50_{lvl}'))}" for lvl in OVERHEAD_LEVELS)
+              + "; TTLB: "
+              + ", ".join(f"{lvl} streams {fmt(m.get(f'ttlb_ratio_to_litellm_p50_{lvl}'))}" for lvl in OVERHEAD_LEVELS)
+              + "."]
+    if litellm_error:
+        lines += ["", f"LiteLLM was not measured in this run: {litellm_error}"]
+    lines += [
+        "",
+        f"## {SUSTAIN_STREAMS} streams held open at 20 tokens/s",
+        "",
+        f"Reply: {SUSTAIN_REPLY['words']} chunks, {SUSTAIN_REPLY['delay'] * 1000:.0f} ms apart (ideal gap 50 ms); "
+        f"all {SUSTAIN_STREAMS} streams started within {SUSTAIN_SPREAD:.0f} s. Gap = time between consecutive text "
+        "events of one stream, at the client. All times in ms.",
+        "",
+        "| target | completed | gap p50 | gap p99 | gap max | TTFB p99 | peak RSS MB | other load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in order:
+        if name not in sustain:
+            continue
+        s = sustain[name]
+        gap = s["gap"] or {}
+        lines.append(f"| {labels[name]} | {s['completed']}/{s['requests']} | {fmt(ms(gap.get(50)))} | "
+                     f"{fmt(ms(gap.get(99)))} | {fmt(ms(gap.get(100)))} | {fmt(ms(s['ttfb'][99]))} | "
+                     f"{fmt(round(s['rss_mb_peak'], 1)) if s.get('rss_mb_peak') else ''} | {s['other_cpu']:.0%} |")
+    if stops:
+        lines += [
+            "", "## Stop", "",
+            f"{STOP_SAMPLES} turns per server, {STOP_CLIENTS} at a time, each closed by the client after 3, 6 or 10 "
+            f"deltas (reply chunks every {STOP_REPLY['delay'] * 1000:.0f} ms). Measured: from the client closing its "
+            "socket (its `time.monotonic()`) to the simulator recording the upstream connection's hang-up "
+            "(`disconnected_at`, the same clock).",
+            "",
+            "| server | upstream closes seen | p50 ms | p90 ms | p99 ms | max ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, stop in stops.items():
+            c = stop["close"]
+            lines.append(f"| {labels[name]} | {stop['closed']}/{stop['samples']} | {fmt(ms(c[50]))} | {fmt(ms(c[90]))} | "
+                         f"{fmt(ms(c[99]))} | {fmt(ms(c[100]))} |")
+    if history:
+        lines += [
+            "", "## Per-turn cost with long histories", "",
+            "Conversation files written straight into DATA_DIR (person ~300 characters, reply ~1,200, measured usage "
+            "on every reply, budget raised so nothing is compressed), opened once with GET as the page does, then "
+            f"{HISTORY_TURNS} sequential turns with a {HISTORY_REPLY['words']}-chunk reply. Server time = the turn's "
+            "wall time (POST to `done`) minus the span the simulator spent on the request (its `started_at` to "
+            "`finished_at`), so the simulator's own handling of a large prompt is not counted; before/after upstream "
+            "split it at those two instants. Medians over the turns.",
+            "",
+            "| messages | file MB | server ms | before upstream ms | after upstream ms | wall ms | TTFB ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for size, h in history.items():
+            lines.append(f"| {size:,} | {h['file_mb']:.1f} | {fmt(ms(h['server']))} | {fmt(ms(h['before_upstream']))} | "
+                         f"{fmt(ms(h['after_upstream']))} | {fmt(ms(h['wall']))} | {fmt(ms(h['ttfb']))} |")
+        lines += ["", f"Added by 10,000 messages over 10: {fmt(m.get('turn_added_ms_10k'))} ms "
+                      f"(1,000: {fmt(m.get('turn_added_ms_1k'))} ms)."]
+    if profile:
+        lines += ["", "### Where a 10,000-message turn spends its time", "",
+                  f"py-spy at 1 kHz over {PROFILE_TURNS} turns; shares of the samples in which the server was busy. "
+                  "Our functions, inclusive (callees counted):", "", "| share | function |", "|---|---|"]
+        lines += [f"| {share}% | `{func}` |" for kind, share, func in profile if kind == "ours"]
+        lines += ["", "Where the time is actually spent (innermost frame; C calls such as `os.fsync` or a socket "
+                  "write are charged to the Python line that made them):", "", "| share | function |", "|---|---|"]
+        lines += [f"| {share}% | `{func}` |" for kind, share, func in profile if kind == "leaf"]
+        lines += ["", "Raw stacks: `bench/profile_history_10k.txt` (collapsed format, for a flame graph)."]
+    cache_keys = [k for k in results if k.startswith(("cache_", "cost_ratio", "compressions_"))]
+    if cache_keys:
+        lines += ["", "## Prompt cache (from `bench/cache_bench.py`)", "", "| key | value |", "|---|---|"]
+        lines += [f"| `{k}` | {fmt(results[k])} |" for k in cache_keys]
+    lines += ["", f"Idle server RSS before load: {fmt(m.get('rss_mb_idle'))} MB. All keys: `bench/results.json`.", ""]
+    generated = "\n".join(lines)
+    path = BENCH / "RESULTS.md"
+    kept = ""
+    if path.exists():
+        old = path.read_text()
+        marker = old.find(FINDINGS_HEADING)
+        kept = old[marker:] if marker >= 0 else ""
+    path.write_text(generated + "\n" + (kept or FINDINGS_HEADING + "\n\n(none yet)\n"))
+
+
+FINDINGS_HEADING = "## Findings (hand-written, kept across runs)"
+
+
+def run_cache_bench(log) -> dict:
+    """The prompt-cache benchmark, when its author has added it; its own results file is merged."""
+    script = BENCH / "cache_bench.py"
+    if script.exists():
+        log("cache benchmark (bench/cache_bench.py)")
+        try:
+            done = subprocess.run([PY, str(script)], cwd=ROOT, timeout=600)
+            if done.returncode != 0:
+                log(f"  cache_bench.py exited with {done.returncode}")
+        except subprocess.TimeoutExpired:
+            log("  cache_bench.py ran over 600 s and was stopped")
+    path = BENCH / "results_cache.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+
+
+# --- Main --------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
+    parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
+    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache"],
+                        help="skip a phase (repeatable)")
+    args = parser.parse_args()
+    began = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - began:6.1f}s] {message}", flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="chat-bench-"))
+    scratch = [work]
+    services: list[Service] = []
+    gw = None
+    results: dict = {**machine()}
+    litellm_error = None
+    overhead: dict = {}
+    sustain: dict = {}
+    stops: dict = {}
+    history = None
+    profile: list = []
+    targets: list[Target] = []
+    try:
+        gw = Gateway()
+        log(f"simulator at {gw.base_url}")
+        targets = [Target("direct", "simulator direct", int(gw.base_url.rsplit(":", 1)[1]), "chat")]
+        relay = start_relay(gw, work)
+        services.append(relay)
+        targets.append(Target("relay", "bare relay (ceiling)", relay.port, "chat", relay))
+        data_dir = work / "data"
+        data_dir.mkdir()
+        results["disk_write_p50_ms"], results["disk_write_p99_ms"] = disk_write_ms(data_dir)
+        server = start_server(gw, data_dir, work)
+        services.append(server)
+        ours = Target("ours", "our server", server.port, "turn", server)
+        targets.append(ours)
+        if not args.no_tmpfs and Path(TMPFS).is_dir():
+            # The same server with fsync made free: what the disk costs, not a way to deploy.
+            tmp = Path(tempfile.mkdtemp(prefix="chat-bench-", dir=TMPFS))
+            scratch.append(tmp)
+            tmpfs_server = start_server(gw, tmp / "data", work, name="server-tmpfs")
+            services.append(tmpfs_server)
+            targets.append(Target("tmpfs", "our server, tmpfs (diag.)", tmpfs_server.port, "turn", tmpfs_server))
+        if args.no_litellm:
+            litellm_error = "skipped (--no-litellm)"
+        else:
+            try:
+                litellm = start_litellm(gw, work, MASTER_KEY)
+                services.append(litellm)
+                targets.append(Target("litellm", "LiteLLM proxy", litellm.port, "chat", litellm))
+                results["litellm_version"] = litellm_version()
+            except RuntimeError as exc:
+                litellm_error = str(exc)
+                log(f"LiteLLM unavailable: {exc}")
+        results["litellm_error"] = litellm_error
+        rss_idle = server.rss_mb()
+        for target in targets:
+            if target.dialect == "turn":
+                log(f"creating {SUSTAIN_STREAMS} conversations on {target.label}")
+                target.convs = create_conversations(target.service, SUSTAIN_STREAMS)
+        template = httpx.get(f"{server.url}/api/conversations/{ours.convs[0]}", timeout=30).json()
+        tags = Tags()
+
+        def attempt(phase: str, title: str, run):
+            """Run one phase; a phase that breaks is reported and the others still run."""
+            if phase in args.skip:
+                return None
+            log(title)
+            try:
+                return run()
+            except (RuntimeError, OSError, httpx.HTTPError) as exc:
+                log(f"  {phase} failed: {exc}")
+                results[f"{phase}_error"] = str(exc)
+                return None
+
+        overhead = attempt("overhead", "overhead at " + ", ".join(map(str, OVERHEAD_LEVELS)) + " streams",
+                           lambda: phase_overhead(gw, targets, tags, work, log)) or {}
+        sustain = attempt("sustain", f"{SUSTAIN_STREAMS} streams at 20 tokens/s",
+                          lambda: phase_sustain(gw, targets, tags, work, log)) or {}
+        stops = attempt("stop", "stop", lambda: {t.name: phase_stop(gw, t, tags, work, log)
+                                                 for t in targets if t.dialect == "turn"}) or {}
+        history = attempt("history", "long histories",
+                          lambda: phase_history(gw, server, data_dir, template, tags, work, log))
+        if history and None not in (history[HISTORY_SIZES[-1]]["server"], history[HISTORY_SIZES[0]]["server"]):
+            added = history[HISTORY_SIZES[-1]]["server"] - history[HISTORY_SIZES[0]]["server"]
+            if added * 1000 >= HISTORY_TARGET_MS:
+                longest = history[HISTORY_SIZES[-1]]["id"]
+                profile = attempt("profile", f"  over the {HISTORY_TARGET_MS:.0f} ms target: profiling the longest "
+                                  "conversation's turns with py-spy",
+                                  lambda: profile_history(gw, server, longest, tags, work, log)) or []
+        results.update(flatten(overhead, sustain, stops, history, rss_idle))
+        if litellm_error:
+            # Unmeasured, not zero: the keys are there, empty, and `litellm_error` says why.
+            for level in OVERHEAD_LEVELS:
+                for key in ("ttfb_added_p50_ms", "ttfb_added_p99_ms", "ttlb_added_p50_ms", "streams_completed"):
+                    results[f"litellm_{key}_{level}"] = None
+            results[f"litellm_gap_p99_ms_{SUSTAIN_STREAMS}"] = None
+    finally:
+        for svc in reversed(services):
+            svc.stop()
+        if gw is not None:
+            gw.stop()
+        for path in scratch:
+            shutil.rmtree(path, ignore_errors=True)
+    if "cache" not in args.skip:
+        results.update(run_cache_bench(log))
+    results["bench_seconds"] = round(time.monotonic() - began, 1)
+    results["quiet_wait_seconds"] = round(Quiet.waited, 1)
+    (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, {t.name: t.label for t in targets}, overhead, sustain, stops, history, profile,
+                   litellm_error)
+    log("wrote bench/results.json and bench/RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()
