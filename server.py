@@ -237,7 +237,7 @@ def install_routes(app: FastAPI) -> None:
     async def create_conversation(state: StateDep, body: ConversationCreate | None = None) -> dict:
         body = body or ConversationCreate()
         created = now_iso()
-        conv = state.store.create({
+        conv = await state.store.create({
             "id": new_id(), "title": "New conversation",
             "model": body.model or state.settings.default_model,
             "created_at": created, "updated_at": created,
@@ -259,11 +259,11 @@ def install_routes(app: FastAPI) -> None:
             if body.settings is not None:
                 conv["settings"].update(body.settings.model_dump(exclude_none=True))
 
-        return conversation_out(state, state.store.update(conv_id, apply))
+        return conversation_out(state, await state.store.update(conv_id, apply))
 
     @app.delete("/api/conversations/{conv_id}", status_code=204)
     async def delete_conversation(conv_id: str, state: StateDep) -> Response:
-        state.store.delete(conv_id)
+        await state.store.delete(conv_id)
         return Response(status_code=204)
 
     @app.post("/api/conversations/{conv_id}/messages")
@@ -271,12 +271,12 @@ def install_routes(app: FastAPI) -> None:
         if len(body.content) > state.settings.max_message_chars:
             return JSONResponse(
                 {"detail": f"the message is over {state.settings.max_message_chars} characters"}, status_code=422)
-        return turn_response(state, state.turns.begin(conv_id, body.content))
+        return turn_response(state, await state.turns.begin(conv_id, body.content))
 
     @app.post("/api/conversations/{conv_id}/regenerate")
     async def regenerate(conv_id: str, state: StateDep, body: Empty | None = None) -> Response:
         try:
-            turn = state.turns.begin(conv_id, None)
+            turn = await state.turns.begin(conv_id, None)
         except NothingToAnswer:
             raise Conflict("there is no message to answer again") from None
         return turn_response(state, turn)
@@ -296,7 +296,7 @@ def install_routes(app: FastAPI) -> None:
             if len(users) == 1:
                 c["title"] = "New conversation"
 
-        state.store.update(conv_id, cut)
+        await state.store.update(conv_id, cut)
         return {"content": content}
 
     @app.post("/api/conversations/{conv_id}/compress")

@@ -5,8 +5,10 @@ old one, so a crash mid-write leaves the previous version or the new one, never 
 A file that does not parse is reported, skipped and never overwritten.
 
 Reads are served from memory when the file has not changed on disk, so a long conversation is
-not re-parsed every turn. Callers mutate conversations only inside `update()`, which runs
-without awaiting and is therefore atomic within the event loop.
+not re-parsed every turn. Callers mutate conversations only inside `update()`, whose change
+runs without awaiting and is therefore atomic within the event loop. Conversation writes then
+run in a worker thread (a long history is megabytes to fsync, and the event loop is serving
+every other stream meanwhile), one conversation's writes landing in the order they were made.
 
 This module knows files and ids, not turns or wire formats.
 """
@@ -19,9 +21,11 @@ import re
 import secrets
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+import anyio
 import orjson
 
 log = logging.getLogger("chat.storage")
@@ -128,6 +132,12 @@ def check_shape(conv: dict) -> None:
             raise ValueError("messages holds an entry without a string id, role and content")
 
 
+def _write_and_stamp(path: Path, data: bytes) -> tuple[int, int]:
+    atomic_write(path, data)
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
 def _dumps(obj: object) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n"
 
@@ -142,27 +152,37 @@ class Store:
         self.models_path = self.root / "models.json"
         self.conversations_dir.mkdir(parents=True, exist_ok=True)
         self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
+        # Writes queued or running per conversation; while any is, memory is ahead of the file.
+        self._pending: Counter[str] = Counter()
+        self._write_locks: dict[str, anyio.Lock] = {}
+        # Ids are random and never reused, so a deleted one stays deleted for queued writes too.
+        self._deleted: set[str] = set()
 
     def _path(self, conv_id: str) -> Path:
         if not valid_id(conv_id):
             raise NotFound(conv_id)
         return self.conversations_dir / f"{conv_id}.json"
 
-    def create(self, conv: dict) -> dict:
+    async def create(self, conv: dict) -> dict:
         conv = upgrade(dict(conv))
-        self._write(conv)
+        self._cache[conv["id"]] = ((0, 0), conv)
+        await self._persist(conv["id"], _dumps(conv))
         return conv
 
     def get(self, conv_id: str) -> dict:
         """The stored conversation; do not mutate it outside `update()`."""
         path = self._path(conv_id)
+        if conv_id in self._deleted:
+            raise NotFound(conv_id)
+        cached = self._cache.get(conv_id)
+        if cached and self._pending[conv_id]:
+            return cached[1]  # the file lags behind memory until the queued write lands
         try:
             stat = path.stat()
         except FileNotFoundError:
             self._cache.pop(conv_id, None)
             raise NotFound(conv_id) from None
         stamp = (stat.st_mtime_ns, stat.st_size)
-        cached = self._cache.get(conv_id)
         if cached and cached[0] == stamp:
             return cached[1]
         try:
@@ -185,33 +205,57 @@ class Store:
         self._cache[conv_id] = (stamp, conv)
         return conv
 
-    def update(self, conv_id: str, change: Callable[[dict], object]) -> dict:
-        """Apply `change` to the latest stored version and write it back atomically."""
+    async def update(self, conv_id: str, change: Callable[[dict], object]) -> dict:
+        """Apply `change` to the latest version now, then write it back atomically.
+
+        The change and its snapshot happen without awaiting, so they are atomic within the event
+        loop; only the disk write is awaited, in a worker thread.
+        """
         conv = self.get(conv_id)
         try:
             change(conv)
             conv["updated_at"] = now_iso()
-            self._write(conv)
+            data = _dumps(conv)
         except BaseException:
             self._cache.pop(conv_id, None)
             raise
+        await self._persist(conv_id, data)
         return conv
 
-    def _write(self, conv: dict) -> None:
-        path = self._path(conv["id"])
-        atomic_write(path, _dumps(conv))
-        stat = path.stat()
-        self._cache[conv["id"]] = ((stat.st_mtime_ns, stat.st_size), conv)
+    async def _persist(self, conv_id: str, data: bytes) -> None:
+        """Write one snapshot off the event loop; one conversation's writes land in order.
 
-    def delete(self, conv_id: str) -> None:
+        Shielded: a turn cancelled by Stop must still finish the write it started.
+        """
+        path = self._path(conv_id)
+        self._pending[conv_id] += 1
+        lock = self._write_locks.setdefault(conv_id, anyio.Lock())
+        try:
+            with anyio.CancelScope(shield=True):
+                async with lock:
+                    if conv_id in self._deleted:
+                        return
+                    stamp = await anyio.to_thread.run_sync(_write_and_stamp, path, data)
+                    if conv_id in self._cache:
+                        self._cache[conv_id] = (stamp, self._cache[conv_id][1])
+        except BaseException:
+            self._cache.pop(conv_id, None)
+            raise
+        finally:
+            self._pending[conv_id] -= 1
+            if not self._pending[conv_id]:
+                del self._pending[conv_id]
+                self._write_locks.pop(conv_id, None)
+
+    async def delete(self, conv_id: str) -> None:
         """Remove a conversation; a damaged file is refused (Damaged) like any other write."""
         path = self._path(conv_id)
         self.get(conv_id)
+        self._deleted.add(conv_id)
         self._cache.pop(conv_id, None)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            raise NotFound(conv_id) from None
+        with anyio.CancelScope(shield=True):
+            async with self._write_locks.setdefault(conv_id, anyio.Lock()):
+                path.unlink(missing_ok=True)
 
     def list(self) -> list[dict]:
         """Every readable conversation; damaged or foreign files are logged and skipped."""

@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 import orjson
 
@@ -134,7 +135,7 @@ class Turns:
     def is_streaming(self, conv_id: str) -> bool:
         return conv_id in self.active
 
-    def begin(self, conv_id: str, content: str | None) -> Turn:
+    async def begin(self, conv_id: str, content: str | None) -> Turn:
         """Commit the person's message (or clear the answer to regenerate) and claim the conversation."""
         if conv_id in self.active:
             raise TurnBusy(conv_id)
@@ -142,8 +143,9 @@ class Turns:
         if content is None:
             if not any(m["role"] == "user" for m in conv["messages"]):
                 raise NothingToAnswer(conv_id)
-            self.store.update(conv_id, _drop_trailing_answers)
             turn = Turn(conv_id, conv["model"], None)
+            self.active[conv_id] = turn
+            await self._commit(turn, _drop_trailing_answers)
         else:
             user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
 
@@ -152,10 +154,18 @@ class Turns:
                     c["title"] = title_from(content)
                 c["messages"].append(user)
 
-            self.store.update(conv_id, append)
             turn = Turn(conv_id, conv["model"], user)
-        self.active[conv_id] = turn
+            self.active[conv_id] = turn
+            await self._commit(turn, append)
         return turn
+
+    async def _commit(self, turn: Turn, change) -> None:
+        """The turn's opening write; the conversation is claimed first, so a second turn is 409."""
+        try:
+            await self.store.update(turn.conv_id, change)
+        except BaseException:
+            self.active.pop(turn.conv_id, None)
+            raise
 
     async def compress(self, conv_id: str, *, pending: bool) -> dict:
         """Compress one conversation: the `compression` event's data plus the stored `notice`.
@@ -183,7 +193,7 @@ class Turns:
                 add_usage(totals, result.usage)
                 totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
 
-        self.store.update(conv_id, store)
+        await self.store.update(conv_id, store)
         return {**data, "notice": notice}
 
     async def compress_now(self, conv_id: str) -> dict:
@@ -254,17 +264,19 @@ class Turns:
                     "code": "max_tokens",
                     "message": "The reply stopped at the output limit (MAX_COMPLETION_TOKENS).",
                 })
-            usage = self._save(turn, "complete")
+            usage = await self._save(turn, "complete")
             yield frame("done", {"assistant_message_id": turn.assistant_id, "usage": usage,
                                  "citations": reply.citations})
         except UpstreamError as failure:
-            yield self._fail(turn, failure)
+            yield await self._fail(turn, failure)
         except Exception as exc:  # a bug or an unexpected fault must still end the stream cleanly
             log.exception("turn on %s failed", turn.conv_id)
-            yield self._fail(turn, classify_exception(exc))
+            yield await self._fail(turn, classify_exception(exc))
         finally:
-            # Stop and closed tabs land here (cancellation or aclose): keep what arrived.
-            self._save(turn, "interrupted")
+            # Stop and closed tabs land here (cancellation or aclose): keep what arrived. Shielded,
+            # because a cancelled task would otherwise be cancelled again at the save's first await.
+            with anyio.CancelScope(shield=True):
+                await self._save(turn, "interrupted")
             self.active.pop(turn.conv_id, None)
 
     def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
@@ -304,23 +316,23 @@ class Turns:
             async for event in events:
                 yield event
 
-    def _fail(self, turn: Turn, failure: UpstreamError) -> dict:
+    async def _fail(self, turn: Turn, failure: UpstreamError) -> dict:
         """Save or roll back, then the `error` frame that ends the stream."""
         data = {
             "kind": failure.kind, "message": failure.message, "retryable": failure.retryable,
             "retry_after": failure.retry_after, "partial": turn.reply.has_output,
         }
         if turn.reply.has_output:
-            self._save(turn, "interrupted", error=failure.kind)
+            await self._save(turn, "interrupted", error=failure.kind)
         else:
             turn.saved = True
             if turn.user_message is not None:
-                self._roll_back(turn)
+                await self._roll_back(turn)
                 data["draft"] = turn.user_message["content"]
         log.info("turn on %s ended with %s: %s", turn.conv_id, failure.kind, failure.message)
         return frame("error", data)
 
-    def _roll_back(self, turn: Turn) -> None:
+    async def _roll_back(self, turn: Turn) -> None:
         """Take the person's message back out, so sending the draft again does not duplicate it."""
         message_id = turn.user_message["id"]
 
@@ -330,9 +342,9 @@ class Turns:
                 c["title"] = "New conversation"
 
         with contextlib.suppress(NotFound):
-            self.store.update(turn.conv_id, remove)
+            await self.store.update(turn.conv_id, remove)
 
-    def _save(self, turn: Turn, status: str, error: str | None = None) -> dict | None:
+    async def _save(self, turn: Turn, status: str, error: str | None = None) -> dict | None:
         """Store the reply once; an empty reply is never stored."""
         if turn.saved:
             return None
@@ -362,7 +374,7 @@ class Turns:
                 c["last_prompt_tokens"] = reports[-1]["input_tokens"]
 
         try:
-            self.store.update(turn.conv_id, append)
+            await self.store.update(turn.conv_id, append)
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
         return usage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,23 +19,27 @@ from storage import Damaged, NotFound, Store, new_id, valid_id
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = textwrap.dedent("""
-    import sys, time
+    import asyncio, sys
     sys.path.insert(0, sys.argv[2])
     from storage import Store
-    store = Store(sys.argv[1])
-    conv_id = sys.argv[3]
-    padding = "x" * 20000
-    while True:
-        store.update(conv_id, lambda c: c["messages"].append(
-            {"id": str(len(c["messages"])), "role": "user", "content": padding}))
-        print(len(store.get(conv_id)["messages"]), flush=True)
+
+    async def main():
+        store = Store(sys.argv[1])
+        conv_id = sys.argv[3]
+        padding = "x" * 20000
+        while True:
+            await store.update(conv_id, lambda c: c["messages"].append(
+                {"id": str(len(c["messages"])), "role": "user", "content": padding}))
+            print(len(store.get(conv_id)["messages"]), flush=True)
+
+    asyncio.run(main())
 """)
 
 
-def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
+async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
     store = Store(tmp_path)
     conv_id = new_id()
-    store.create({"id": conv_id, "model": "m", "settings": {}})
+    await store.create({"id": conv_id, "model": "m", "settings": {}})
     path = store.conversations_dir / f"{conv_id}.json"
     committed = 0
     for round_ in range(8):
@@ -52,9 +57,9 @@ def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
     assert not [p for p in store.conversations_dir.iterdir() if p.suffix == ".json" and p != path]
 
 
-def test_damaged_file_is_reported_skipped_and_never_overwritten(tmp_path, caplog):
+async def test_damaged_file_is_reported_skipped_and_never_overwritten(tmp_path, caplog):
     store = Store(tmp_path)
-    good = store.create({"id": new_id(), "model": "m", "settings": {}})
+    good = await store.create({"id": new_id(), "model": "m", "settings": {}})
     bad_id = new_id()
     bad_path = store.conversations_dir / f"{bad_id}.json"
     bad_path.write_text('{"id": "' + bad_id + '", "messages": [')
@@ -64,7 +69,7 @@ def test_damaged_file_is_reported_skipped_and_never_overwritten(tmp_path, caplog
     with pytest.raises(Damaged):
         store.get(bad_id)
     with pytest.raises(Damaged):
-        store.update(bad_id, lambda c: c.update(title="x"))
+        await store.update(bad_id, lambda c: c.update(title="x"))
     assert bad_path.read_text() == '{"id": "' + bad_id + '", "messages": ['
 
 
@@ -87,3 +92,33 @@ def test_older_files_are_upgraded_on_read(tmp_path):
 
     assert conv["schema_version"] == 1 and conv["summary"] == "" and conv["totals"]["turns"] == 0
     assert conv["messages"][0]["content"] == "hi"
+
+
+async def test_writes_queued_from_many_tasks_land_in_the_order_they_were_made(tmp_path):
+    store = Store(tmp_path)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+
+    async def append(n: int) -> None:
+        await store.update(conv["id"], lambda c: c["messages"].append({"id": str(n), "role": "user", "content": "x"}))
+
+    await asyncio.gather(*(append(n) for n in range(40)))
+
+    on_disk = json.loads((store.conversations_dir / f"{conv['id']}.json").read_text())
+    assert [m["id"] for m in on_disk["messages"]] == [str(n) for n in range(40)]
+    assert Store(tmp_path).get(conv["id"])["messages"] == store.get(conv["id"])["messages"]
+
+
+async def test_a_delete_behind_queued_writes_stays_deleted(tmp_path):
+    store = Store(tmp_path)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    writes = [asyncio.create_task(store.update(conv["id"], lambda c: c.update(title=str(n)))) for n in range(5)]
+    await asyncio.sleep(0)
+
+    await store.delete(conv["id"])
+    await asyncio.gather(*writes, return_exceptions=True)
+
+    assert not (store.conversations_dir / f"{conv['id']}.json").exists()
+    with pytest.raises(NotFound):
+        store.get(conv["id"])
+    with pytest.raises(NotFound):
+        await store.update(conv["id"], lambda c: c.update(title="again"))
