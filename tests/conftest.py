@@ -11,6 +11,12 @@ from simulator import GatewaySimulator
 from support import Api, LiveServer
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Browser tests run last: Playwright's sync API keeps an event loop running in the main
+    thread for the session, and an asyncio test after it cannot start its own."""
+    items.sort(key=lambda item: "e2e" in item.path.parts)
+
+
 @pytest.fixture
 def sim():
     with GatewaySimulator() as simulator:
