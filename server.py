@@ -348,6 +348,7 @@ def main() -> None:
     except ValidationError as exc:
         sys.exit("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 
