@@ -77,19 +77,22 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`python -m uvicorn server:app` in a child process, as a person runs it."""
+    """`python -m uvicorn server:app` in a child process, as a person runs it.
 
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+    `launch`, when given, is Python source run instead, with the port as its first argument.
+    """
+
+    def __init__(self, data_dir: Path, env: dict[str, str], launch: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        full_env = {**os.environ, "DATA_DIR": str(data_dir), "UPSTREAM_TIMEOUT": "5", **env}
+        inherited = {k: v for k, v in os.environ.items() if k != "ACCESS_TOKEN"}
+        full_env = {**inherited, "DATA_DIR": str(data_dir), "UPSTREAM_TIMEOUT": "5", **env}
         self.log_path = data_dir.parent / f"server-{self.port}.log"
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "server:app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning"],
-            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-        )
+        command = ["-c", launch, str(self.port)] if launch else [
+            "-m", "uvicorn", "server:app", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        self.process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=full_env,
+                                        stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -105,7 +108,8 @@ class LiveServer:
         raise RuntimeError("server did not start")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:

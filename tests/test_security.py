@@ -7,20 +7,17 @@ checks one protection and fails without it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
-from support import serve, free_port, names, parse_sse
+from support import LiveServer, free_port, names, parse_sse, serve
 from config import Settings
 from simulator import Script, errors, steps
 
@@ -306,46 +303,11 @@ LAUNCH = (
 )
 
 
-class DebugServer:
-    """The real server in a child process with every logger at DEBUG, its output kept in a file."""
-
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = data_dir.parent / f"debug-server-{self.port}.log"
-        full_env = {k: v for k, v in os.environ.items() if k not in ("ACCESS_TOKEN",)}
-        full_env.update(DATA_DIR=str(data_dir), UPSTREAM_TIMEOUT="5", **env)
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-c", LAUNCH, str(self.port)], cwd=ROOT,
-                                            env=full_env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(self.log())
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server did not start")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 def test_the_gateway_key_never_appears_in_responses_logs_or_files(tmp_path, sim):
     key = "sk-live-" + secrets.token_hex(20)
     fragment = key[8:18]  # catches an echo cut short as well as the whole key
     data_dir = tmp_path / "data"
-    server = DebugServer(data_dir, {"GATEWAY_BASE_URL": sim.base_url, "GATEWAY_API_KEY": key,
+    server = LiveServer(data_dir, launch=LAUNCH, env={"GATEWAY_BASE_URL": sim.base_url, "GATEWAY_API_KEY": key,
                                     "KEEP_RECENT_MESSAGES": "2"})
     seen: list[str] = []
     error_messages: list[str] = []
