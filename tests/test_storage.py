@@ -111,7 +111,7 @@ async def test_writes_queued_from_many_tasks_land_in_the_order_they_were_made(tm
 async def test_a_delete_behind_queued_writes_stays_deleted(tmp_path):
     store = Store(tmp_path)
     conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
-    writes = [asyncio.create_task(store.update(conv["id"], lambda c: c.update(title=str(n)))) for n in range(5)]
+    writes = [asyncio.create_task(store.update(conv["id"], lambda c, n=n: c.update(title=str(n)))) for n in range(5)]
     await asyncio.sleep(0)
 
     await store.delete(conv["id"])
