@@ -59,11 +59,10 @@ def default_settings(settings: Settings, preset: str | None) -> dict:
 class State:
     """What lifespan builds and routes share; tests reach it as `app.state.chat`."""
 
-    def __init__(self, settings: Settings, store: Store, turns: Turns, demo=None) -> None:
+    def __init__(self, settings: Settings, store: Store, turns: Turns) -> None:
         self.settings = settings
         self.store = store
         self.turns = turns
-        self.demo = demo
 
     def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()
@@ -100,17 +99,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         demo = None
         if active.gateway_configured:
-            gateway = Gateway(active.gateway_base_url, active.gateway_api_key, demo=False)
+            gateway = Gateway(active.gateway_base_url, active.gateway_api_key)
             keep_secret(active.gateway_api_key)  # gateways echo it in error bodies; it never goes further
         else:
             from simulator import GatewaySimulator
 
             demo = GatewaySimulator(reasoning_models={m.id for m in active.lineup() if m.reasoning})
             await demo.start_async()
-            gateway = Gateway(demo.base_url, None, demo=True)
+            gateway = Gateway(demo.base_url, None)
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.chat = State(active, store, Turns(store, active, client, gateway), demo)
+            app.state.chat = State(active, store, Turns(store, active, client, gateway))
             try:
                 yield
             finally:

@@ -46,7 +46,6 @@ class NothingToAnswer(Exception):
 class Gateway:
     base_url: str
     api_key: str | None
-    demo: bool
 
     def url(self, path: str) -> str:
         return f"{self.base_url}{path}"
