@@ -63,6 +63,15 @@ def send(page: Page, text: str) -> None:
     page.get_by_test_id("composer").press("Enter")
 
 
+def exchange(page: Page, *texts: str) -> None:
+    """Send each text and wait for its reply to complete, as a person chatting would."""
+    for text in texts:
+        replies = assistant_messages(page).count()
+        send(page, text)
+        expect(assistant_messages(page)).to_have_count(replies + 1)
+        expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+
+
 def assistant_messages(page: Page):
     return page.locator("[data-test=message][data-role=assistant]")
 

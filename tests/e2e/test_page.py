@@ -7,7 +7,8 @@ import re
 from playwright.sync_api import expect
 
 from pagekit import (
-    assistant_messages, conversation_id, eventually, new_conversation, open_page, screenshot, send, user_messages,
+    assistant_messages, conversation_id, eventually, exchange, new_conversation, open_page, screenshot, send,
+    user_messages,
 )
 from simulator import Script, steps
 
@@ -72,11 +73,7 @@ def test_stop_keeps_the_partial_reply_closes_upstream_and_regenerate_answers_aga
 
 def test_only_the_last_reply_offers_regenerate(page, sim):
     sim.enqueue(Script([steps.Text("First.")]), Script([steps.Text("Second.")]))
-    send(page, "one")
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
-    send(page, "two")
-    expect(assistant_messages(page)).to_have_count(2)
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    exchange(page, "one", "two")
 
     expect(page.get_by_test_id("regenerate")).to_have_count(1)
     expect(assistant_messages(page).last.get_by_test_id("regenerate")).to_be_visible()

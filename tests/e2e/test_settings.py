@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
-from pagekit import assistant_messages, conversation_id, screenshot, send
+from pagekit import assistant_messages, conversation_id, exchange, screenshot, send
 from simulator import Script, Usage, steps
 
 
@@ -179,11 +179,7 @@ def test_usage_header_stats_line_and_context_bar_show_the_servers_numbers(page, 
 
 def test_compress_now_folds_old_messages_into_a_notice(page, server, sim):
     sim.enqueue(Script([steps.Text("One.")]), Script([steps.Text("Two.")]))
-    send(page, "First topic")
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
-    send(page, "Second topic")
-    expect(assistant_messages(page)).to_have_count(2)
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    exchange(page, "First topic", "Second topic")
 
     sim.enqueue(Script([steps.Text('{"summary": "They covered two topics.", "facts": []}')]))
     page.get_by_role("button", name="Compress now").click()
@@ -199,11 +195,7 @@ def test_compress_now_folds_old_messages_into_a_notice(page, server, sim):
 
 def test_a_turn_over_budget_announces_its_compression_live(page, server, sim):
     sim.enqueue(Script([steps.Text("One.")]), Script([steps.Text("Two.")]))
-    send(page, "First topic")
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
-    send(page, "Second topic")
-    expect(assistant_messages(page)).to_have_count(2)
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    exchange(page, "First topic", "Second topic")
     conv_id = conversation_id(page)
     server.api("PATCH", f"/api/conversations/{conv_id}", json={"settings": {"context_budget": 1}}).raise_for_status()
 
