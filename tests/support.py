@@ -76,6 +76,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hang_up_after_first_delta(base_url: str, conv_id: str) -> float:
+    """Start a turn, read to its first delta and hang up, as Stop does; returns when we hung up."""
+    with httpx.stream("POST", f"{base_url}/api/conversations/{conv_id}/messages",
+                      json={"content": "tell me a long story"}, timeout=10) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: delta"):
+                break
+        return time.monotonic()
+
+
 class LiveServer:
     """`python -m uvicorn server:app` in a child process, as a person runs it.
 

@@ -7,6 +7,7 @@ import time
 import httpx
 
 from simulator import Script, steps
+from support import hang_up_after_first_delta
 
 
 def start_conversation(server) -> str:
@@ -14,17 +15,6 @@ def start_conversation(server) -> str:
     httpx.patch(f"{server.base_url}/api/conversations/{conv['id']}",
                 json={"settings": {"web_search": False, "web_fetch": False}})
     return conv["id"]
-
-
-def stream_until_first_delta(server, conv_id: str) -> float:
-    """Open the turn stream, read to the first delta, hang up; returns when we hung up."""
-    with httpx.stream("POST", f"{server.base_url}/api/conversations/{conv_id}/messages",
-                      json={"content": "tell me a long story"}, timeout=10) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("event: delta"):
-                break
-        return time.monotonic()
 
 
 def settled(server, conv_id: str) -> dict:
@@ -42,7 +32,7 @@ def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
     conv_id = start_conversation(live_server)
 
-    hung_up_at = stream_until_first_delta(live_server, conv_id)
+    hung_up_at = hang_up_after_first_delta(live_server.base_url, conv_id)
 
     record = sim.wait_for_disconnect(timeout=5)
     assert record.disconnected_at - hung_up_at < 1.0

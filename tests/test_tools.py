@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from config import Settings
-from support import Api, names
+from support import hang_up_after_first_delta, Api, names
 from server import create_app
 from simulator import Script, Usage, errors, steps
 
@@ -340,13 +340,7 @@ def test_stop_closes_the_upstream_socket_and_keeps_the_partial_tool_reply(live_s
     base = live_server.base_url
     conv_id = httpx.post(f"{base}/api/conversations", json={}).json()["id"]
 
-    with httpx.stream("POST", f"{base}/api/conversations/{conv_id}/messages",
-                      json={"content": "tell me a long story"}, timeout=10) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("event: delta"):
-                break
-        hung_up_at = time.monotonic()
+    hung_up_at = hang_up_after_first_delta(base, conv_id)
 
     record = sim.wait_for_disconnect(timeout=5)
     assert record.path == "/v1/messages"
