@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             try:
                 yield
             finally:
+                await store.flush()
                 if demo is not None:
                     await demo.stop_async()
 
@@ -270,12 +271,12 @@ def install_routes(app: FastAPI) -> None:
         if len(body.content) > state.settings.max_message_chars:
             return JSONResponse(
                 {"detail": f"the message is over {state.settings.max_message_chars} characters"}, status_code=422)
-        return turn_response(state, await state.turns.begin(conv_id, body.content))
+        return turn_response(state, state.turns.begin(conv_id, body.content))
 
     @app.post("/api/conversations/{conv_id}/regenerate")
     async def regenerate(conv_id: str, state: StateDep, body: Empty | None = None) -> Response:
         try:
-            turn = await state.turns.begin(conv_id, None)
+            turn = state.turns.begin(conv_id, None)
         except NothingToAnswer:
             raise Conflict("there is no message to answer again") from None
         return turn_response(state, turn)

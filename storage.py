@@ -15,6 +15,7 @@ This module knows files and ids, not turns or wire formats.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -154,7 +155,9 @@ class Store:
         self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
         # Writes queued or running per conversation; while any is, memory is ahead of the file.
         self._pending: Counter[str] = Counter()
-        self._write_locks: dict[str, anyio.Lock] = {}
+        # The last queued write per conversation: the next one waits for it, so writes land in
+        # the order their changes were made.
+        self._tail: dict[str, asyncio.Future] = {}
         # Ids are random and never reused, so a deleted one stays deleted for queued writes too.
         self._deleted: set[str] = set()
 
@@ -166,7 +169,7 @@ class Store:
     async def create(self, conv: dict) -> dict:
         conv = upgrade(dict(conv))
         self._cache[conv["id"]] = ((0, 0), conv)
-        await self._persist(conv["id"], _dumps(conv))
+        await asyncio.shield(self._queue_write(conv["id"], _dumps(conv)))
         return conv
 
     def get(self, conv_id: str) -> dict:
@@ -209,7 +212,18 @@ class Store:
         """Apply `change` to the latest version now, then write it back atomically.
 
         The change and its snapshot happen without awaiting, so they are atomic within the event
-        loop; only the disk write is awaited, in a worker thread.
+        loop; only the disk write is awaited. A caller cancelled meanwhile (Stop) does not cancel
+        the write: it still lands, in order.
+        """
+        conv, written = self.update_soon(conv_id, change)
+        await asyncio.shield(written)
+        return conv
+
+    def update_soon(self, conv_id: str, change: Callable[[dict], object]) -> tuple[dict, asyncio.Future]:
+        """`update` without waiting for the disk: (the changed conversation, its write).
+
+        Every reader sees the change at once; the future completes when it is on disk, or raises
+        why it could not be written (the change is then forgotten, and the file re-read).
         """
         conv = self.get(conv_id)
         try:
@@ -219,33 +233,43 @@ class Store:
         except BaseException:
             self._cache.pop(conv_id, None)
             raise
-        await self._persist(conv_id, data)
-        return conv
+        return conv, self._queue_write(conv_id, data)
 
-    async def _persist(self, conv_id: str, data: bytes) -> None:
-        """Write one snapshot off the event loop; one conversation's writes land in order.
-
-        Shielded: a turn cancelled by Stop must still finish the write it started.
-        """
+    def _queue_write(self, conv_id: str, data: bytes) -> asyncio.Future:
+        """Write one snapshot in a worker thread, after the conversation's earlier writes."""
         path = self._path(conv_id)
+        previous = self._tail.get(conv_id)
         self._pending[conv_id] += 1
-        lock = self._write_locks.setdefault(conv_id, anyio.Lock())
-        try:
-            with anyio.CancelScope(shield=True):
-                async with lock:
-                    if conv_id in self._deleted:
-                        return
-                    stamp = await anyio.to_thread.run_sync(_write_and_stamp, path, data)
-                    if conv_id in self._cache:
-                        self._cache[conv_id] = (stamp, self._cache[conv_id][1])
-        except BaseException:
-            self._cache.pop(conv_id, None)
-            raise
-        finally:
-            self._pending[conv_id] -= 1
-            if not self._pending[conv_id]:
-                del self._pending[conv_id]
-                self._write_locks.pop(conv_id, None)
+        write = asyncio.ensure_future(self._write_after(previous, conv_id, path, data))
+        self._tail[conv_id] = write
+        write.add_done_callback(lambda done: self._written(conv_id, done))
+        return write
+
+    async def _write_after(self, previous: asyncio.Future | None, conv_id: str, path: Path, data: bytes) -> None:
+        if previous is not None:
+            # Its failure is its own caller's to report; this later, fuller snapshot still goes.
+            await asyncio.wait([previous])
+        if conv_id in self._deleted:
+            return
+        stamp = await anyio.to_thread.run_sync(_write_and_stamp, path, data)
+        if conv_id in self._cache:
+            self._cache[conv_id] = (stamp, self._cache[conv_id][1])
+
+    def _written(self, conv_id: str, write: asyncio.Future) -> None:
+        if write.cancelled() or write.exception() is not None:
+            self._cache.pop(conv_id, None)  # memory is ahead of a file that will not catch up
+            log.error("writing conversation %s failed: %s", conv_id,
+                      "cancelled" if write.cancelled() else write.exception())
+        self._pending[conv_id] -= 1
+        if not self._pending[conv_id]:
+            del self._pending[conv_id]
+        if self._tail.get(conv_id) is write:
+            del self._tail[conv_id]
+
+    async def flush(self) -> None:
+        """Wait until every queued write has landed (at shutdown, so none is cut off)."""
+        while self._tail:
+            await asyncio.wait(list(self._tail.values()))
 
     async def delete(self, conv_id: str) -> None:
         """Remove a conversation; a damaged file is refused (Damaged) like any other write."""
@@ -254,8 +278,9 @@ class Store:
         self._deleted.add(conv_id)
         self._cache.pop(conv_id, None)
         with anyio.CancelScope(shield=True):
-            async with self._write_locks.setdefault(conv_id, anyio.Lock()):
-                path.unlink(missing_ok=True)
+            if (tail := self._tail.get(conv_id)) is not None:
+                await asyncio.wait([tail])  # a write already running lands first, then the file goes
+            path.unlink(missing_ok=True)
 
     def list(self) -> list[dict]:
         """Every readable conversation; damaged or foreign files are logged and skipped."""

@@ -11,6 +11,7 @@ and `tools.py`, the prompt layout and token arithmetic in `context.py`, files in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import logging
@@ -42,6 +43,10 @@ class NothingToAnswer(Exception):
     """Regenerate on a conversation with no user message to answer."""
 
 
+class OpeningFailed(Exception):
+    """The turn's opening write did not reach the disk (the file is re-read without it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Gateway:
     base_url: str
@@ -60,13 +65,20 @@ class Turn:
     reply: Reply = field(default_factory=Reply)
     saved: bool = False
     sent_floor: int = 0
+    # The opening write (the person's message, or the answers cleared to regenerate), left running
+    # while the prompt is assembled and sent; awaited before the first upstream event is passed on.
+    opening: asyncio.Future | None = None
 
 
-def frame(name: str, data: dict) -> dict:
-    return {"event": name, "data": orjson.dumps(data).decode()}
+def frame(name: str, data: dict) -> bytes:
+    """One SSE record, encoded once here (sse-starlette passes bytes through untouched).
+
+    Compact JSON holds no line break, so `data` is always one line.
+    """
+    return b"event: " + name.encode() + b"\r\ndata: " + orjson.dumps(data) + b"\r\n\r\n"
 
 
-def event_frame(event: Event) -> dict | None:
+def event_frame(event: Event) -> bytes | None:
     """The SSE frame the page sees for one upstream event, if any."""
     match event:
         case TextDelta(text=text):
@@ -134,8 +146,11 @@ class Turns:
     def is_streaming(self, conv_id: str) -> bool:
         return conv_id in self.active
 
-    async def begin(self, conv_id: str, content: str | None) -> Turn:
-        """Commit the person's message (or clear the answer to regenerate) and claim the conversation."""
+    def begin(self, conv_id: str, content: str | None) -> Turn:
+        """Claim the conversation and add the person's message (or clear the answer to regenerate).
+
+        The change is made now; its write to disk runs while `run` sends the request upstream.
+        """
         if conv_id in self.active:
             raise TurnBusy(conv_id)
         conv = self.store.get(conv_id)
@@ -144,7 +159,7 @@ class Turns:
                 raise NothingToAnswer(conv_id)
             turn = Turn(conv_id, conv["model"], None)
             self.active[conv_id] = turn
-            await self._commit(turn, _drop_trailing_answers)
+            self._open(turn, _drop_trailing_answers)
         else:
             user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
 
@@ -155,16 +170,27 @@ class Turns:
 
             turn = Turn(conv_id, conv["model"], user)
             self.active[conv_id] = turn
-            await self._commit(turn, append)
+            self._open(turn, append)
         return turn
 
-    async def _commit(self, turn: Turn, change) -> None:
-        """The turn's opening write; the conversation is claimed first, so a second turn is 409."""
+    def _open(self, turn: Turn, change) -> None:
+        """The turn's opening change; the conversation is claimed first, so a second turn is 409."""
         try:
-            await self.store.update(turn.conv_id, change)
+            _, turn.opening = self.store.update_soon(turn.conv_id, change)
         except BaseException:
             self.active.pop(turn.conv_id, None)
             raise
+
+    async def _opened(self, turn: Turn) -> None:
+        """Wait for the opening write; if it failed, nothing of this turn may be stored."""
+        opening, turn.opening = turn.opening, None
+        if opening is None:
+            return
+        try:
+            await asyncio.shield(opening)
+        except Exception as exc:
+            turn.saved = True  # a reply without its question must never be stored
+            raise OpeningFailed(getattr(exc, "strerror", None) or type(exc).__name__) from exc
 
     async def compress(self, conv_id: str, *, pending: bool) -> dict:
         """Compress one conversation: the `compression` event's data plus the stored `notice`.
@@ -221,7 +247,7 @@ class Turns:
             turn.saved = True
             del self.active[turn.conv_id]
 
-    async def run(self, turn: Turn) -> AsyncIterator[dict]:
+    async def run(self, turn: Turn) -> AsyncIterator[bytes]:
         """SSE frames of one turn; `done` is sent only after the reply is saved."""
         reply = turn.reply
         start = {"assistant_message_id": turn.assistant_id, "model": turn.model}
@@ -231,6 +257,7 @@ class Turns:
             yield frame("start", start)
             conv = self.store.get(turn.conv_id)
             if context.project(conv, self.store.read_memory(), self.settings) > context.budget_of(conv, self.settings):
+                await self._opened(turn)  # compression folds the stored messages, the new one included
                 outcome = await self.compress(turn.conv_id, pending=True)
                 yield frame("compression", outcome) if outcome["folded"] or outcome["dropped"] else frame(
                     "warning", {"code": "over_budget", "message": "This conversation is over its context budget, "
@@ -244,6 +271,8 @@ class Turns:
                 try:
                     async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
                         async for event in events:
+                            if turn.opening is not None:
+                                await self._opened(turn)
                             accumulate(reply, event)
                             if (out := event_frame(event)) is not None:
                                 yield out
@@ -254,6 +283,7 @@ class Turns:
                     if failure.kind != "context_overflow" or reply.has_output or healed:
                         raise
                     healed = True
+                    await self._opened(turn)
                     outcome = await self.compress(turn.conv_id, pending=True)
                     if not (outcome["folded"] or outcome["dropped"]):
                         raise
@@ -268,6 +298,13 @@ class Turns:
                                  "citations": reply.citations})
         except UpstreamError as failure:
             yield await self._fail(turn, failure)
+        except OpeningFailed as exc:
+            log.error("turn on %s could not save its opening change: %s", turn.conv_id, exc)
+            data = {"kind": "upstream", "message": f"The conversation could not be saved ({exc}); nothing was kept.",
+                    "retryable": True, "retry_after": None, "partial": False}
+            if turn.user_message is not None:
+                data["draft"] = turn.user_message["content"]
+            yield frame("error", data)
         except Exception as exc:  # a bug or an unexpected fault must still end the stream cleanly
             log.exception("turn on %s failed", turn.conv_id)
             yield await self._fail(turn, classify_exception(exc))
@@ -315,7 +352,7 @@ class Turns:
             async for event in events:
                 yield event
 
-    async def _fail(self, turn: Turn, failure: UpstreamError) -> dict:
+    async def _fail(self, turn: Turn, failure: UpstreamError) -> bytes:
         """Save or roll back, then the `error` frame that ends the stream."""
         data = {
             "kind": failure.kind, "message": failure.message, "retryable": failure.retryable,

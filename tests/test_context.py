@@ -306,7 +306,7 @@ async def test_compress_now_folds_on_demand_and_is_a_no_op_when_nothing_is_old_e
 
 async def test_compress_now_is_409_while_a_turn_streams(app, client, conv):
     turns = app.state.chat.turns
-    turn = await turns.begin(conv["id"], "still streaming")
+    turn = turns.begin(conv["id"], "still streaming")
     try:
         response = await client.post(f"/api/conversations/{conv['id']}/compress", json={})
     finally:

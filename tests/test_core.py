@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import httpx
 import pytest
+
+import storage
 
 from support import names, parse_sse
 from simulator import Script, Usage, errors, steps
@@ -334,3 +338,50 @@ async def test_demo_gateway_answers_without_configuration(tmp_path):
     text = "".join(d["text"] for n, d in events if n == "delta")
     assert names(events)[-1] == "done"
     assert "simulated" in text.lower() and "```" in text
+
+
+async def test_the_request_goes_upstream_while_the_message_is_still_being_written(api, sim, conv, settings,
+                                                                                  monkeypatch):
+    real = storage._write_and_stamp
+    landed = []
+
+    def slow_opening(path, data):
+        if b"written slowly" in data and not landed:
+            time.sleep(0.3)
+            stamp = real(path, data)
+            landed.append(time.monotonic())
+            return stamp
+        return real(path, data)
+
+    monkeypatch.setattr(storage, "_write_and_stamp", slow_opening)
+    sim.enqueue(Script(steps=[steps.Text("Fine.")]))
+
+    events = await api.send(conv["id"], "written slowly")
+
+    assert names(events)[-1] == "done"
+    assert chat_requests(sim)[-1].started_at < landed[0]
+    on_disk = json.loads((settings.data_dir / "conversations" / f"{conv['id']}.json").read_text())
+    assert [(m["role"], m["content"]) for m in on_disk["messages"]] == [("user", "written slowly"),
+                                                                       ("assistant", "Fine.")]
+
+
+async def test_a_message_that_cannot_be_written_comes_back_as_a_draft_with_no_reply_shown(api, sim, conv,
+                                                                                          monkeypatch):
+    real = storage._write_and_stamp
+
+    def disk_full(path, data):
+        if b"doomed" in data:
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(storage, "_write_and_stamp", disk_full)
+    sim.enqueue(Script(steps=[steps.Text("Never shown.")]), Script(steps=[steps.Text("Back.")]))
+
+    events = await api.send(conv["id"], "doomed")
+
+    assert names(events) == ["start", "error"]
+    error = events[-1][1]
+    assert error["draft"] == "doomed" and error["partial"] is False and "No space left" in error["message"]
+    assert (await api.get(conv["id"]))["messages"] == []
+    assert names(await api.send(conv["id"], "again"))[-1] == "done"
+    assert [m["content"] for m in (await api.get(conv["id"]))["messages"]] == ["again", "Back."]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import storage
 from storage import Damaged, NotFound, Store, new_id, valid_id
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +123,39 @@ async def test_a_delete_behind_queued_writes_stays_deleted(tmp_path):
         store.get(conv["id"])
     with pytest.raises(NotFound):
         await store.update(conv["id"], lambda c: c.update(title="again"))
+
+
+async def test_a_write_left_running_still_lands_before_a_later_one(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    real = storage._write_and_stamp
+    slowed = []
+
+    def first_write_slow(path, data):
+        if not slowed:
+            slowed.append(path)
+            time.sleep(0.2)
+        return real(path, data)
+
+    monkeypatch.setattr(storage, "_write_and_stamp", first_write_slow)
+
+    _, first = store.update_soon(conv["id"], lambda c: c.update(title="first"))
+    assert store.get(conv["id"])["title"] == "first"  # seen at once, before it is on disk
+    await store.update(conv["id"], lambda c: c.update(title="second"))
+
+    assert first.done() and slowed
+    assert json.loads((store.conversations_dir / f"{conv['id']}.json").read_text())["title"] == "second"
+
+
+async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage, "_write_and_stamp", disk_full)
+    with pytest.raises(OSError):
+        await store.update(conv["id"], lambda c: c.update(title="never stored"))
+
+    assert store.get(conv["id"])["title"] == "New conversation"
