@@ -2,8 +2,8 @@
 on loopback against the gateway simulator, beside a bare relay (the ceiling) and LiteLLM's proxy
 (the peer a person would otherwise put in front of a gateway).
 
-Every party runs in a process of its own: the simulator (`gateway.py`), our server (a real
-`uvicorn server:app`, one worker, DATA_DIR in a temporary directory), the bare relay
+Every party runs in a process of its own: the simulator (`gateway.py`), our server (started as
+`make run` starts it: `python server.py`, one uvicorn worker, DATA_DIR in a temporary directory), the bare relay
 (`relay.py`), LiteLLM's proxy (from `bench/.venv-litellm`), and, per phase, the load generator
 (`load.py`). The machine has two cores, so they still compete for CPU; the direct-to-simulator
 runs pay the same simulator and client costs, which is why figures are reported as time *added*
@@ -208,8 +208,9 @@ def start_server(gw: Gateway, data_dir: Path, log_dir: Path, name: str = "server
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DATA_DIR": str(data_dir), "GATEWAY_BASE_URL": gw.base_url,
            "GATEWAY_API_KEY": "", "HOST": HOST, "ACCESS_TOKEN": ""}
     port = free_port()
-    svc = Service(name, [PY, "-m", "uvicorn", "server:app", "--host", HOST, "--port", str(port),
-                             "--workers", "1", "--log-level", "warning"], port, "/healthz", env, data_dir, log_dir)
+    env["PORT"] = str(port)
+    # Started as `make run` starts it, so the figures are those of the server a person runs.
+    svc = Service(name, [PY, str(ROOT / "server.py")], port, "/healthz", env, data_dir, log_dir)
     svc.wait_ready(60)
     return svc
 
