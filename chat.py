@@ -18,6 +18,9 @@ from events import Event, Finished, ReasoningDelta, TextDelta, UsageReport
 from failures import UpstreamError, classify_exception, classify_finish, classify_http, classify_stream_error, redact
 from sse import SSEDecoder
 
+# How long the end of a finished body may take to arrive (it normally comes with the last record).
+DRAIN_SECONDS = 0.1
+
 
 def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
                max_tokens: int, params: dict, stream: bool = True) -> dict:
@@ -84,6 +87,17 @@ async def records(response: httpx.Response) -> AsyncIterator:
         yield record
 
 
+async def drain(rest: AsyncIterator) -> None:
+    """Read a finished stream to the end of its body, so its connection can serve the next turn.
+
+    A gateway that keeps the body open past its last record is not waited for: the connection
+    is then closed instead of reused.
+    """
+    with anyio.move_on_after(DRAIN_SECONDS):
+        async for _ in rest:
+            pass
+
+
 def _json(data: str) -> dict:
     try:
         obj = json.loads(data)
@@ -100,8 +114,10 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict)
     finish: str | None = None
     refusal = ""
     try:
-        async for record in records(response):
+        stream_records = records(response)
+        async for record in stream_records:
             if record.data == "[DONE]":
+                await drain(stream_records)
                 break
             chunk = _json(record.data)
             if chunk.get("error"):

@@ -205,7 +205,8 @@ class Script:
     `usage`: None = estimated numbers in the default dialect; a dialect name = estimated numbers
     in that dialect; "omit" = no usage chunk (chat); a `Usage` = exactly those numbers.
     `status` != 200 answers `error_body` (dict as JSON, str/bytes verbatim) before any stream.
-    `chunk_delay` comes before every text/reasoning chunk; `first_byte_delay` before the headers.
+    `chunk_delay` comes before every text/reasoning chunk; `first_byte_delay` before the headers;
+    `end_delay` after the last record, before the body ends (a gateway slow to close its stream).
     """
 
     steps: list[Step] = field(default_factory=list)
@@ -216,6 +217,7 @@ class Script:
     error_body: dict | str | bytes | None = None
     first_byte_delay: float = 0.0
     chunk_delay: float = 0.0
+    end_delay: float = 0.0
     send_done: bool = True
     stop_details: dict | None = None
 
@@ -594,6 +596,7 @@ class RecordedRequest:
     first_byte_at: float | None = None
     finished_at: float | None = None
     disconnected_at: float | None = None  # the connection closed early: client hang-up (or simulator stop)
+    client_port: int | None = None  # the same on two requests: the client reused its connection
     completed: bool = False
     status: int | None = None
     error: str | None = None
@@ -742,6 +745,7 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                     "choices": [], "usage": _chat_usage_json(usage)})
     if script.send_done:
         yield b"data: [DONE]\n\n"
+    await _pause(script.end_delay)
 
 
 def _chat_completion_json(script: Script, model: str, usage: Usage | None) -> dict:
@@ -889,6 +893,7 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                           "server_tool_use": {"web_search_requests": searches, "web_fetch_requests": fetches}}},
                "message_delta")
     yield _sse({"type": "message_stop"}, "message_stop")
+    await _pause(script.end_delay)
 
 
 # --- Demo replies -----------------------------------------------------------------------------
@@ -1316,7 +1321,8 @@ class GatewaySimulator:
             body = orjson.loads(raw) if raw is not None else None
         except orjson.JSONDecodeError:
             body = None
-        record = RecordedRequest(path, _headers_of(scope), body if isinstance(body, dict) else {}, started)
+        record = RecordedRequest(path, _headers_of(scope), body if isinstance(body, dict) else {}, started,
+                                 client_port=(scope.get("client") or (None, None))[1])
         if raw is None:
             record.disconnected_at = time.monotonic()
             record.ended.set()

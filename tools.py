@@ -291,10 +291,12 @@ async def stream(client: httpx.AsyncClient, url: str, *, model: str, system: lis
             response = await chat.open_stream(client, url, body, request_headers(api_key, tools))
         decoder = Decoder(tool_inputs)
         try:
-            async for record in chat.records(response):
+            stream_records = chat.records(response)
+            async for record in stream_records:
                 for event in decoder.feed(record):
                     yield event
                 if decoder.stopped:
+                    await chat.drain(stream_records)
                     break
         finally:
             await chat.close_quietly(response)

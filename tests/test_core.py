@@ -385,3 +385,25 @@ async def test_a_message_that_cannot_be_written_comes_back_as_a_draft_with_no_re
     assert (await api.get(conv["id"]))["messages"] == []
     assert names(await api.send(conv["id"], "again"))[-1] == "done"
     assert [m["content"] for m in (await api.get(conv["id"]))["messages"]] == ["again", "Back."]
+
+
+async def test_a_finished_stream_leaves_its_connection_for_the_next_turn(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("One.")]), Script(steps=[steps.Text("Two.")]))
+
+    await api.send(conv["id"], "first")
+    await api.send(conv["id"], "second")
+
+    first, second = chat_requests(sim)
+    assert first.client_port == second.client_port
+
+
+async def test_a_gateway_slow_to_end_its_body_neither_holds_the_reply_nor_keeps_the_connection(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Text("Lingering.")], end_delay=60), Script(steps=[steps.Text("Next.")]))
+
+    events = await asyncio.wait_for(api.send(conv["id"], "first"), 10)
+
+    assert names(events)[-1] == "done"
+    assert sim.wait_for_disconnect(0).completed is False
+    await api.send(conv["id"], "second")
+    first, second = chat_requests(sim)
+    assert first.client_port != second.client_port

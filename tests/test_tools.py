@@ -357,3 +357,13 @@ def test_stop_closes_the_upstream_socket_and_keeps_the_partial_tool_reply(live_s
     assert reply["status"] == "interrupted" and reply["content"].startswith("Once upon a time")
     assert [s["kind"] for s in reply["activity"]] == ["search"]
 
+
+
+async def test_a_finished_tool_stream_leaves_its_connection_for_the_next_turn(api, sim, conv):
+    sim.enqueue(Script(steps=[steps.Search("weather"), steps.Text("Sunny.")]), Script(steps=[steps.Text("Again.")]))
+
+    await api.send(conv["id"], "weather?")
+    await api.send(conv["id"], "and now?")
+
+    first, second = [r for r in sim.requests if r.path == "/v1/messages"]
+    assert first.client_port == second.client_port
