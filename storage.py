@@ -140,7 +140,8 @@ def _write_and_stamp(path: Path, data: bytes) -> tuple[int, int]:
 
 
 def _dumps(obj: object) -> bytes:
-    return orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n"
+    # The newline from orjson, not `+ b"\n"`: concatenating copies a long conversation's megabytes again.
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
 
 
 class Store:
