@@ -4,6 +4,14 @@ Every write goes to a temporary file (never ending in `.json`), is fsynced and r
 old one, so a crash mid-write leaves the previous version or the new one, never a torn file.
 A file that does not parse is reported, skipped and never overwritten.
 
+A long conversation is not rewritten whole every turn: once its file holds SEAL_AFTER messages,
+the oldest SEGMENT_MESSAGES are sealed into a file of their own under `<id>.earlier/`, written
+once and never again, and the conversation file lists those files in `earlier_messages` (the
+whole history is their messages, in order, then `messages`). A change that reaches into sealed
+messages (a compression, a cut) writes them back into the conversation file and seals afresh.
+Segments are written before the conversation file that names them, so a crash leaves at worst
+an unreferenced segment, never a reference to a missing one.
+
 Reads are served from memory when the file has not changed on disk, so a long conversation is
 not re-parsed every turn. Callers mutate conversations only inside `update()`, whose change
 runs without awaiting and is therefore atomic within the event loop. Conversation writes then
@@ -20,9 +28,11 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -31,8 +41,11 @@ import orjson
 
 log = logging.getLogger("chat.storage")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+SEGMENT_MESSAGES = 500
+SEAL_AFTER = 2 * SEGMENT_MESSAGES
+SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
 
 
 class NotFound(Exception):
@@ -103,8 +116,17 @@ def _upgrade_unversioned(conv: dict) -> dict:
     return conv
 
 
+def _allow_earlier_messages(conv: dict) -> dict:
+    """Version 2 may keep sealed messages in segment files; a version-1 file simply has none.
+
+    The version is bumped so that an older server refuses such a file instead of reading a
+    conversation that seems to start in the middle.
+    """
+    return conv
+
+
 # Upgrades in order: MIGRATIONS[n] turns a version-n file into version n+1.
-MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned]
+MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned, _allow_earlier_messages]
 
 
 def upgrade(conv: dict) -> dict:
@@ -139,6 +161,38 @@ def _write_and_stamp(path: Path, data: bytes) -> tuple[int, int]:
     return stat.st_mtime_ns, stat.st_size
 
 
+def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot) -> tuple[int, int]:
+    for name, data in snapshot.segments:
+        atomic_write(earlier / name, data)
+    stamp = _write_and_stamp(path, snapshot.data)
+    if snapshot.keep is not None and earlier.is_dir():
+        for stale in earlier.glob("*.json"):
+            if stale.name not in snapshot.keep:
+                stale.unlink(missing_ok=True)
+    return stamp
+
+
+@dataclass(slots=True)
+class Sealed:
+    """A conversation's sealed prefix: its segment files and the very message dicts they hold."""
+
+    segments: list[dict] = field(default_factory=list)  # [{"file", "count"}], oldest first
+    messages: list[dict] = field(default_factory=list)
+
+    def is_prefix_of(self, messages: list[dict]) -> bool:
+        """Stored messages are never edited in place, so identity tells whether any was removed or moved."""
+        return len(messages) >= len(self.messages) and all(a is b for a, b in zip(self.messages, messages))
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What one write puts on disk: new segment files first, then the conversation file."""
+
+    data: bytes
+    segments: list[tuple[str, bytes]]
+    keep: set[str] | None  # after a reseal, the only segment files still referenced
+
+
 def _dumps(obj: object) -> bytes:
     # The newline from orjson, not `+ b"\n"`: concatenating copies a long conversation's megabytes again.
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
@@ -161,16 +215,20 @@ class Store:
         self._tail: dict[str, asyncio.Future] = {}
         # Ids are random and never reused, so a deleted one stays deleted for queued writes too.
         self._deleted: set[str] = set()
+        self._sealed: dict[str, Sealed] = {}
 
     def _path(self, conv_id: str) -> Path:
         if not valid_id(conv_id):
             raise NotFound(conv_id)
         return self.conversations_dir / f"{conv_id}.json"
 
+    def _earlier_dir(self, conv_id: str) -> Path:
+        return self.conversations_dir / f"{conv_id}.earlier"
+
     async def create(self, conv: dict) -> dict:
         conv = upgrade(dict(conv))
         self._cache[conv["id"]] = ((0, 0), conv)
-        await asyncio.shield(self._queue_write(conv["id"], _dumps(conv)))
+        await asyncio.shield(self._queue_write(conv["id"], self._snapshot(conv["id"], conv)))
         return conv
 
     def get(self, conv_id: str) -> dict:
@@ -184,7 +242,7 @@ class Store:
         try:
             stat = path.stat()
         except FileNotFoundError:
-            self._cache.pop(conv_id, None)
+            self._forget(conv_id)
             raise NotFound(conv_id) from None
         stamp = (stat.st_mtime_ns, stat.st_size)
         if cached and cached[0] == stamp:
@@ -203,11 +261,56 @@ class Store:
             if conv.get("id") != conv_id:
                 raise ValueError("not a conversation of this server (its id differs from its file name)")
             conv = upgrade(conv)
+            sealed = self._read_earlier(conv_id, conv.pop("earlier_messages", []))
+            conv["messages"] = sealed.messages + conv["messages"] if sealed.messages else conv.get("messages")
             check_shape(conv)
         except (ValueError, TypeError, AttributeError) as exc:
             raise Damaged(path, str(exc) or type(exc).__name__) from None
         self._cache[conv_id] = (stamp, conv)
+        self._sealed[conv_id] = sealed
         return conv
+
+    def _read_earlier(self, conv_id: str, segments: object) -> Sealed:
+        """The sealed messages a conversation file names; ValueError says which segment is unusable."""
+        if not isinstance(segments, list):
+            raise ValueError("earlier_messages is not a list")
+        sealed = Sealed()
+        for entry in segments:
+            name = entry.get("file") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name) or not isinstance(entry.get("count"), int):
+                raise ValueError("earlier_messages holds an entry without a file name and a count")
+            try:
+                messages = orjson.loads((self._earlier_dir(conv_id) / name).read_bytes())
+            except (OSError, orjson.JSONDecodeError) as exc:
+                raise ValueError(f"its earlier messages in {name} cannot be read ({exc})") from None
+            if not isinstance(messages, list) or len(messages) != entry["count"]:
+                raise ValueError(f"its earlier messages in {name} are not the {entry['count']} it names")
+            sealed.segments.append({"file": name, "count": entry["count"]})
+            sealed.messages.extend(messages)
+        return sealed
+
+    def _snapshot(self, conv_id: str, conv: dict) -> Snapshot:
+        """The bytes of the next write; seals the oldest messages once enough have gathered."""
+        messages = conv["messages"]
+        sealed = self._sealed.get(conv_id) or Sealed()
+        keep = None
+        if not sealed.is_prefix_of(messages):
+            sealed, keep = Sealed(), set()
+        new_segments = []
+        while len(messages) - len(sealed.messages) >= SEAL_AFTER:
+            chunk = messages[len(sealed.messages): len(sealed.messages) + SEGMENT_MESSAGES]
+            name = f"{new_id()}.json"
+            new_segments.append((name, _dumps(chunk)))
+            sealed.segments.append({"file": name, "count": len(chunk)})
+            sealed.messages.extend(chunk)
+        if keep is not None:
+            keep = {entry["file"] for entry in sealed.segments}
+        self._sealed[conv_id] = sealed
+        head = {key: value for key, value in conv.items() if key != "messages"}
+        if sealed.segments:
+            head["earlier_messages"] = sealed.segments
+        head["messages"] = messages[len(sealed.messages):] if sealed.messages else messages
+        return Snapshot(_dumps(head), new_segments, keep)
 
     async def update(self, conv_id: str, change: Callable[[dict], object]) -> dict:
         """Apply `change` to the latest version now, then write it back atomically.
@@ -230,35 +333,43 @@ class Store:
         try:
             change(conv)
             conv["updated_at"] = now_iso()
-            data = _dumps(conv)
+            snapshot = self._snapshot(conv_id, conv)
         except BaseException:
-            self._cache.pop(conv_id, None)
+            self._forget(conv_id)
             raise
-        return conv, self._queue_write(conv_id, data)
+        return conv, self._queue_write(conv_id, snapshot)
 
-    def _queue_write(self, conv_id: str, data: bytes) -> asyncio.Future:
+    def _forget(self, conv_id: str) -> None:
+        """Memory is ahead of a file that will not catch up: read the file again next time."""
+        self._cache.pop(conv_id, None)
+        self._sealed.pop(conv_id, None)
+
+    def _queue_write(self, conv_id: str, snapshot: Snapshot) -> asyncio.Future:
         """Write one snapshot in a worker thread, after the conversation's earlier writes."""
         path = self._path(conv_id)
         previous = self._tail.get(conv_id)
         self._pending[conv_id] += 1
-        write = asyncio.ensure_future(self._write_after(previous, conv_id, path, data))
+        write = asyncio.ensure_future(self._write_after(previous, conv_id, path, snapshot))
         self._tail[conv_id] = write
         write.add_done_callback(lambda done: self._written(conv_id, done))
         return write
 
-    async def _write_after(self, previous: asyncio.Future | None, conv_id: str, path: Path, data: bytes) -> None:
+    async def _write_after(self, previous: asyncio.Future | None, conv_id: str, path: Path,
+                           snapshot: Snapshot) -> None:
         if previous is not None:
-            # Its failure is its own caller's to report; this later, fuller snapshot still goes.
             await asyncio.wait([previous])
+            if previous.cancelled() or previous.exception() is not None:
+                # This snapshot may name segments that write never put on disk.
+                raise OSError(f"an earlier write of conversation {conv_id} failed, so this one was not made")
         if conv_id in self._deleted:
             return
-        stamp = await anyio.to_thread.run_sync(_write_and_stamp, path, data)
+        stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot)
         if conv_id in self._cache:
             self._cache[conv_id] = (stamp, self._cache[conv_id][1])
 
     def _written(self, conv_id: str, write: asyncio.Future) -> None:
         if write.cancelled() or write.exception() is not None:
-            self._cache.pop(conv_id, None)  # memory is ahead of a file that will not catch up
+            self._forget(conv_id)
             log.error("writing conversation %s failed: %s", conv_id,
                       "cancelled" if write.cancelled() else write.exception())
         self._pending[conv_id] -= 1
@@ -277,11 +388,12 @@ class Store:
         path = self._path(conv_id)
         self.get(conv_id)
         self._deleted.add(conv_id)
-        self._cache.pop(conv_id, None)
+        self._forget(conv_id)
         with anyio.CancelScope(shield=True):
             if (tail := self._tail.get(conv_id)) is not None:
                 await asyncio.wait([tail])  # a write already running lands first, then the file goes
             path.unlink(missing_ok=True)
+            shutil.rmtree(self._earlier_dir(conv_id), ignore_errors=True)
 
     def list(self) -> list[dict]:
         """Every readable conversation; damaged or foreign files are logged and skipped."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import storage
-from storage import Damaged, NotFound, Store, new_id, valid_id
+from storage import SCHEMA_VERSION, Damaged, NotFound, Store, new_id, valid_id
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def test_older_files_are_upgraded_on_read(tmp_path):
 
     conv = store.get(conv_id)
 
-    assert conv["schema_version"] == 1 and conv["summary"] == "" and conv["totals"]["turns"] == 0
+    assert conv["schema_version"] == SCHEMA_VERSION and conv["summary"] == "" and conv["totals"]["turns"] == 0
     assert conv["messages"][0]["content"] == "hi"
 
 
@@ -159,3 +159,78 @@ async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path, mon
         await store.update(conv["id"], lambda c: c.update(title="never stored"))
 
     assert store.get(conv["id"])["title"] == "New conversation"
+
+
+def message(n: int) -> dict:
+    return {"id": f"m{n}", "role": "user" if n % 2 == 0 else "assistant", "content": f"message number {n}"}
+
+
+@pytest.fixture
+async def long_conversation(tmp_path) -> tuple[Store, str]:
+    store = Store(tmp_path)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    await store.update(conv["id"], lambda c: c["messages"].extend(message(n) for n in range(2500)))
+    return store, conv["id"]
+
+
+def on_disk(store: Store, conv_id: str) -> dict:
+    return json.loads((store.conversations_dir / f"{conv_id}.json").read_text())
+
+
+def earlier_files(store: Store, conv_id: str) -> set[str]:
+    return {p.name for p in (store.conversations_dir / f"{conv_id}.earlier").glob("*.json")}
+
+
+async def test_a_long_conversation_rewrites_only_its_recent_messages(long_conversation, monkeypatch):
+    store, conv_id = long_conversation
+    written = []
+    real = storage._write_snapshot
+    monkeypatch.setattr(storage, "_write_snapshot",
+                        lambda path, earlier, snap: written.append(snap) or real(path, earlier, snap))
+
+    await store.update(conv_id, lambda c: c["messages"].append(message(2500)))
+
+    (snapshot,) = written
+    assert snapshot.segments == []
+    file = on_disk(store, conv_id)
+    assert len(file["messages"]) < storage.SEAL_AFTER
+    assert sum(s["count"] for s in file["earlier_messages"]) + len(file["messages"]) == 2501
+    assert {s["file"] for s in file["earlier_messages"]} == earlier_files(store, conv_id)
+    whole = len(json.dumps([message(n) for n in range(2501)]))
+    assert len(snapshot.data) < whole / 2
+    assert Store(store.root).get(conv_id)["messages"] == [message(n) for n in range(2501)]
+
+
+async def test_a_change_reaching_into_sealed_messages_reseals_and_leaves_no_stale_segment(long_conversation):
+    store, conv_id = long_conversation
+    before = earlier_files(store, conv_id)
+
+    await store.update(conv_id, lambda c: c.update(messages=c["messages"][1:]))
+
+    assert Store(store.root).get(conv_id)["messages"] == [message(n) for n in range(1, 2500)]
+    assert earlier_files(store, conv_id) == {s["file"] for s in on_disk(store, conv_id)["earlier_messages"]}
+    assert not before & earlier_files(store, conv_id)
+
+
+async def test_a_missing_segment_makes_the_conversation_damaged_never_shorter(long_conversation):
+    store, conv_id = long_conversation
+    lost = sorted(earlier_files(store, conv_id))[0]
+    (store.conversations_dir / f"{conv_id}.earlier" / lost).unlink()
+    path = store.conversations_dir / f"{conv_id}.json"
+    original = path.read_bytes()
+    fresh = Store(store.root)
+
+    with pytest.raises(Damaged, match=lost):
+        fresh.get(conv_id)
+    with pytest.raises(Damaged):
+        await fresh.update(conv_id, lambda c: c["messages"].append(message(9999)))
+    assert path.read_bytes() == original
+
+
+async def test_deleting_a_long_conversation_removes_its_segments(long_conversation):
+    store, conv_id = long_conversation
+
+    await store.delete(conv_id)
+
+    assert not (store.conversations_dir / f"{conv_id}.earlier").exists()
+    assert store.list() == []
