@@ -7,8 +7,9 @@ A file that does not parse is reported, skipped and never overwritten.
 A long conversation is not rewritten whole every turn: once its file holds SEAL_AFTER messages,
 the oldest SEGMENT_MESSAGES are sealed into a file of their own under `<id>.earlier/`, written
 once and never again, and the conversation file lists those files in `earlier_messages` (the
-whole history is their messages, in order, then `messages`). A change that reaches into sealed
-messages (a compression, a cut) writes them back into the conversation file and seals afresh.
+whole history is their messages, in order, then `messages`). The `archive` of folded messages,
+which also only grows at its end, is sealed the same way into `earlier_archive`. A change that
+reaches into sealed messages (a compression, a cut) writes them back and seals afresh.
 Segments are written before the conversation file that names them, so a crash leaves at worst
 an unreferenced segment, never a reference to a missing one.
 
@@ -46,6 +47,8 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
 SEGMENT_MESSAGES = 500
 SEAL_AFTER = 2 * SEGMENT_MESSAGES
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
+# The lists that grow at their end, each with the field that names its sealed segments.
+SEALED_LISTS = {"messages": "earlier_messages", "archive": "earlier_archive"}
 
 
 class NotFound(Exception):
@@ -174,7 +177,7 @@ def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot) -> tuple[int,
 
 @dataclass(slots=True)
 class Sealed:
-    """A conversation's sealed prefix: its segment files and the very message dicts they hold."""
+    """A list's sealed prefix: its segment files and the very message dicts they hold."""
 
     segments: list[dict] = field(default_factory=list)  # [{"file", "count"}], oldest first
     messages: list[dict] = field(default_factory=list)
@@ -215,7 +218,7 @@ class Store:
         self._tail: dict[str, asyncio.Future] = {}
         # Ids are random and never reused, so a deleted one stays deleted for queued writes too.
         self._deleted: set[str] = set()
-        self._sealed: dict[str, Sealed] = {}
+        self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
 
     def _path(self, conv_id: str) -> Path:
         if not valid_id(conv_id):
@@ -261,8 +264,7 @@ class Store:
             if conv.get("id") != conv_id:
                 raise ValueError("not a conversation of this server (its id differs from its file name)")
             conv = upgrade(conv)
-            sealed = self._read_earlier(conv_id, conv.pop("earlier_messages", []))
-            conv["messages"] = sealed.messages + conv["messages"] if sealed.messages else conv.get("messages")
+            sealed = {name: self._read_earlier(conv_id, conv, name) for name in SEALED_LISTS}
             check_shape(conv)
         except (ValueError, TypeError, AttributeError) as exc:
             raise Damaged(path, str(exc) or type(exc).__name__) from None
@@ -270,46 +272,59 @@ class Store:
         self._sealed[conv_id] = sealed
         return conv
 
-    def _read_earlier(self, conv_id: str, segments: object) -> Sealed:
-        """The sealed messages a conversation file names; ValueError says which segment is unusable."""
+    def _read_earlier(self, conv_id: str, conv: dict, name: str) -> Sealed:
+        """Put a list's sealed items back in front of it; ValueError says which segment is unusable."""
+        segments = conv.pop(SEALED_LISTS[name], [])
         if not isinstance(segments, list):
-            raise ValueError("earlier_messages is not a list")
+            raise ValueError(f"{SEALED_LISTS[name]} is not a list")
         sealed = Sealed()
         for entry in segments:
-            name = entry.get("file") if isinstance(entry, dict) else None
-            if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name) or not isinstance(entry.get("count"), int):
-                raise ValueError("earlier_messages holds an entry without a file name and a count")
+            file = entry.get("file") if isinstance(entry, dict) else None
+            if not isinstance(file, str) or not SEGMENT_NAME.fullmatch(file) or not isinstance(entry.get("count"), int):
+                raise ValueError(f"{SEALED_LISTS[name]} holds an entry without a file name and a count")
             try:
-                messages = orjson.loads((self._earlier_dir(conv_id) / name).read_bytes())
+                messages = orjson.loads((self._earlier_dir(conv_id) / file).read_bytes())
             except (OSError, orjson.JSONDecodeError) as exc:
-                raise ValueError(f"its earlier messages in {name} cannot be read ({exc})") from None
+                raise ValueError(f"its earlier {name} in {file} cannot be read ({exc})") from None
             if not isinstance(messages, list) or len(messages) != entry["count"]:
-                raise ValueError(f"its earlier messages in {name} are not the {entry['count']} it names")
-            sealed.segments.append({"file": name, "count": entry["count"]})
+                raise ValueError(f"its earlier {name} in {file} are not the {entry['count']} it names")
+            sealed.segments.append({"file": file, "count": entry["count"]})
             sealed.messages.extend(messages)
+        if sealed.messages:
+            rest = conv.get(name, [])
+            if not isinstance(rest, list):
+                raise ValueError(f"{name} is not a list")
+            conv[name] = sealed.messages + rest
         return sealed
 
     def _snapshot(self, conv_id: str, conv: dict) -> Snapshot:
-        """The bytes of the next write; seals the oldest messages once enough have gathered."""
-        messages = conv["messages"]
-        sealed = self._sealed.get(conv_id) or Sealed()
-        keep = None
-        if not sealed.is_prefix_of(messages):
-            sealed, keep = Sealed(), set()
-        new_segments = []
-        while len(messages) - len(sealed.messages) >= SEAL_AFTER:
-            chunk = messages[len(sealed.messages): len(sealed.messages) + SEGMENT_MESSAGES]
-            name = f"{new_id()}.json"
-            new_segments.append((name, _dumps(chunk)))
-            sealed.segments.append({"file": name, "count": len(chunk)})
-            sealed.messages.extend(chunk)
-        if keep is not None:
-            keep = {entry["file"] for entry in sealed.segments}
-        self._sealed[conv_id] = sealed
-        head = {key: value for key, value in conv.items() if key != "messages"}
-        if sealed.segments:
-            head["earlier_messages"] = sealed.segments
-        head["messages"] = messages[len(sealed.messages):] if sealed.messages else messages
+        """The bytes of the next write; seals the oldest items of a list once enough have gathered."""
+        before = self._sealed.get(conv_id, {})
+        head = {key: value for key, value in conv.items() if key not in SEALED_LISTS}
+        new_segments: list[tuple[str, bytes]] = []
+        resealed = False
+        state = {}
+        for name, field_name in SEALED_LISTS.items():
+            items = conv.get(name)
+            sealed = before.get(name) or Sealed()
+            if not isinstance(items, list) or not sealed.is_prefix_of(items):
+                resealed = resealed or bool(sealed.segments)
+                sealed = Sealed()
+            if isinstance(items, list):
+                while len(items) - len(sealed.messages) >= SEAL_AFTER:
+                    chunk = items[len(sealed.messages): len(sealed.messages) + SEGMENT_MESSAGES]
+                    file = f"{new_id()}.json"
+                    new_segments.append((file, _dumps(chunk)))
+                    sealed.segments.append({"file": file, "count": len(chunk)})
+                    sealed.messages.extend(chunk)
+                if sealed.segments:
+                    head[field_name] = sealed.segments
+                head[name] = items[len(sealed.messages):] if sealed.messages else items
+            elif name in conv:
+                head[name] = items
+            state[name] = sealed
+        self._sealed[conv_id] = state
+        keep = {e["file"] for sealed in state.values() for e in sealed.segments} if resealed else None
         return Snapshot(_dumps(head), new_segments, keep)
 
     async def update(self, conv_id: str, change: Callable[[dict], object]) -> dict:

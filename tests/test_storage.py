@@ -234,3 +234,39 @@ async def test_deleting_a_long_conversation_removes_its_segments(long_conversati
 
     assert not (store.conversations_dir / f"{conv_id}.earlier").exists()
     assert store.list() == []
+
+
+async def test_a_long_archive_is_sealed_too(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    await store.update(conv["id"], lambda c: c.update(archive=[message(n) for n in range(2500)]))
+    written = []
+    real = storage._write_snapshot
+    monkeypatch.setattr(storage, "_write_snapshot",
+                        lambda path, earlier, snap: written.append(snap) or real(path, earlier, snap))
+
+    await store.update(conv["id"], lambda c: c["archive"].append(message(2500)))
+    await store.update(conv["id"], lambda c: c["messages"].append(message(0)))
+
+    assert [len(s.segments) for s in written] == [0, 0]
+    assert len(written[-1].data) < len(json.dumps([message(n) for n in range(2501)])) / 2
+    fresh = Store(tmp_path).get(conv["id"])
+    assert fresh["archive"] == [message(n) for n in range(2501)] and fresh["messages"] == [message(0)]
+    assert "earlier_archive" not in fresh and "earlier_messages" not in fresh
+
+
+async def test_folding_sealed_messages_into_the_archive_reads_back_whole(long_conversation):
+    store, conv_id = long_conversation
+
+    def fold(c: dict) -> None:
+        c.setdefault("archive", []).extend(c["messages"][:2000])
+        c["messages"] = c["messages"][2000:]
+
+    await store.update(conv_id, fold)
+
+    fresh = Store(store.root).get(conv_id)
+    assert fresh["archive"] == [message(n) for n in range(2000)]
+    assert fresh["messages"] == [message(n) for n in range(2000, 2500)]
+    file = on_disk(store, conv_id)
+    referenced = {s["file"] for s in file.get("earlier_archive", []) + file.get("earlier_messages", [])}
+    assert referenced == earlier_files(store, conv_id) and file["earlier_archive"]
