@@ -64,7 +64,10 @@ class Turn:
     assistant_id: str = field(default_factory=new_id)
     reply: Reply = field(default_factory=Reply)
     saved: bool = False
-    sent_floor: int = 0
+    # Our own count of the prompt, the floor under the measured one; counted on a worker thread
+    # (tiktoken lets go of the GIL), because the first count of a long conversation takes
+    # hundreds of milliseconds that every other stream would otherwise wait through.
+    counting: asyncio.Future | None = None
     # The opening write (the person's message, or the answers cleared to regenerate), left running
     # while the prompt is assembled and sent; awaited before the first upstream event is passed on.
     opening: asyncio.Future | None = None
@@ -267,7 +270,7 @@ class Turns:
                 conv = self.store.get(turn.conv_id)
                 prompt = context.build_prompt(conv, self.store.read_memory(), self.settings, today=dt.date.today(),
                                               tool_instructions=tools.instructions(conv["settings"], self.settings))
-                turn.sent_floor = prompt.tokens()
+                turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
                     async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
                         async for event in events:
@@ -388,8 +391,9 @@ class Turns:
         reply = turn.reply
         if not reply.has_output:
             return None
-        reports = [context.normalize_usage(raw, sent_floor=turn.sent_floor) for raw in reply.usages] or [
-            context.normalize_usage(None, sent_floor=turn.sent_floor, output_text=reply.text)]
+        sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
+        reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
+            context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
         usage = combined(reports)
         usage["searches"] = max(usage["searches"], reply.searches)
         usage["fetches"] = max(usage["fetches"], reply.fetches)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
 import pytest
 
+import context
 import storage
 
 from support import names, parse_sse
@@ -407,3 +409,28 @@ async def test_a_gateway_slow_to_end_its_body_neither_holds_the_reply_nor_keeps_
     await api.send(conv["id"], "second")
     first, second = chat_requests(sim)
     assert first.client_port != second.client_port
+
+
+async def test_counting_the_prompt_does_not_hold_up_other_requests(client, api, sim, conv, monkeypatch):
+    started, release, counted = threading.Event(), threading.Event(), threading.Event()
+    real = context.Prompt.tokens
+
+    def slow_first_count(self):
+        # The first count of a long conversation tokenizes every message: hundreds of ms.
+        started.set()
+        release.wait(5)
+        total = real(self)
+        counted.set()
+        return total
+
+    monkeypatch.setattr(context.Prompt, "tokens", slow_first_count)
+    sim.enqueue(Script(steps=[steps.Text("Counted.")]))
+    turn = asyncio.create_task(api.send(conv["id"], "count me"))
+    await asyncio.to_thread(started.wait, 5)
+
+    health = await client.get("/healthz")
+
+    assert health.status_code == 200 and not counted.is_set()
+    release.set()
+    events = await turn
+    assert names(events)[-1] == "done" and events[-1][1]["usage"]["input_tokens"] > 0
