@@ -363,7 +363,7 @@ def settle_garbage_collector() -> None:
     lives for the whole process, yet each full collection walked it: 70 ms pauses, three in
     20 s at 200 streams. Frozen, it is never walked again; and with a larger first threshold
     the young collections, each a pause for every stream, come 14 times less often. Measured at
-    200 streams: p99 added time to first token 70-140 ms before, 13-19 ms after.
+    200 streams: p99 added time to first token 70-140 ms before, 13-25 ms after.
     """
     gc.collect()
     gc.freeze()
