@@ -22,12 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 WRITER = textwrap.dedent("""
     import asyncio, sys
     sys.path.insert(0, sys.argv[2])
+    import storage
     from storage import Store
 
     async def main():
         store = Store(sys.argv[1])
         conv_id = sys.argv[3]
-        padding = "x" * 20000
+        padding = "x" * int(sys.argv[4])
+        if len(sys.argv) > 5:  # seal every few messages, so kills land mid-seal too
+            storage.SEGMENT_MESSAGES = int(sys.argv[5])
+            storage.SEAL_AFTER = 2 * storage.SEGMENT_MESSAGES
         while True:
             await store.update(conv_id, lambda c: c["messages"].append(
                 {"id": str(len(c["messages"])), "role": "user", "content": padding}))
@@ -44,7 +48,7 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
     path = store.conversations_dir / f"{conv_id}.json"
     committed = 0
     for round_ in range(8):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(ROOT), conv_id],
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(ROOT), conv_id, "20000"],
                                   stdout=subprocess.PIPE, text=True)
         # Read a few acknowledged writes, then kill at an arbitrary point of the next one.
         for _ in range(3 + round_):
@@ -56,6 +60,26 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
         data = json.loads(path.read_text())  # must parse: old or new version, never a mix
         assert len(data["messages"]) >= committed
     assert not [p for p in store.conversations_dir.iterdir() if p.suffix == ".json" and p != path]
+
+
+async def test_a_process_killed_while_sealing_never_loses_or_shortens_a_conversation(tmp_path):
+    store = Store(tmp_path)
+    conv_id = new_id()
+    await store.create({"id": conv_id, "model": "m", "settings": {}})
+    committed = 0
+    for round_ in range(8):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(ROOT), conv_id, "2000", "3"],
+                                  stdout=subprocess.PIPE, text=True)
+        for _ in range(5 + 3 * round_):
+            committed = max(committed, int(writer.stdout.readline()))
+        time.sleep(0.001 * round_)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+        writer.stdout.close()
+        messages = Store(tmp_path).get(conv_id)["messages"]  # every named segment is there
+        assert len(messages) >= committed
+        assert [m["id"] for m in messages] == [str(n) for n in range(len(messages))]
+    assert on_disk(store, conv_id)["earlier_messages"]
 
 
 async def test_damaged_file_is_reported_skipped_and_never_overwritten(tmp_path, caplog):
