@@ -205,12 +205,18 @@ def earlier_files(store: Store, conv_id: str) -> set[str]:
     return {p.name for p in (store.conversations_dir / f"{conv_id}.earlier").glob("*.json")}
 
 
-async def test_a_long_conversation_rewrites_only_its_recent_messages(long_conversation, monkeypatch):
-    store, conv_id = long_conversation
+def record_snapshots(monkeypatch) -> list:
+    """Every snapshot the store writes from now on, in order."""
     written = []
     real = storage._write_snapshot
     monkeypatch.setattr(storage, "_write_snapshot",
                         lambda path, earlier, snap: written.append(snap) or real(path, earlier, snap))
+    return written
+
+
+async def test_a_long_conversation_rewrites_only_its_recent_messages(long_conversation, monkeypatch):
+    store, conv_id = long_conversation
+    written = record_snapshots(monkeypatch)
 
     await store.update(conv_id, lambda c: c["messages"].append(message(2500)))
 
@@ -264,10 +270,7 @@ async def test_a_long_archive_is_sealed_too(tmp_path, monkeypatch):
     store = Store(tmp_path)
     conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
     await store.update(conv["id"], lambda c: c.update(archive=[message(n) for n in range(2500)]))
-    written = []
-    real = storage._write_snapshot
-    monkeypatch.setattr(storage, "_write_snapshot",
-                        lambda path, earlier, snap: written.append(snap) or real(path, earlier, snap))
+    written = record_snapshots(monkeypatch)
 
     await store.update(conv["id"], lambda c: c["archive"].append(message(2500)))
     await store.update(conv["id"], lambda c: c["messages"].append(message(0)))
