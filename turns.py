@@ -22,9 +22,9 @@ import anyio
 import httpx
 import orjson
 
-import chat
+from upstream import chat
 import context
-import tools
+from upstream import messages as tools
 from config import Settings
 from events import (
     Event, FetchDone, ReasoningDelta, Reply, SearchResults, SearchStarted, TextDelta, Warning, accumulate,

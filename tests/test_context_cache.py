@@ -8,7 +8,7 @@ import datetime as dt
 import httpx
 import pytest
 
-import chat
+from upstream import chat
 import context
 from config import Settings
 from server import create_app

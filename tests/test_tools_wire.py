@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 import context
-import tools
+from upstream import messages as tools
 from config import Settings
 from events import (
     CitationFound, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta, UsageReport,

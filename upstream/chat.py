@@ -16,7 +16,7 @@ import orjson
 
 from events import Event, Finished, ReasoningDelta, TextDelta, UsageReport
 from failures import UpstreamError, classify_exception, classify_finish, classify_http, classify_stream_error, redact
-from sse import SSEDecoder
+from upstream.sse import SSEDecoder
 
 # How long the end of a finished body may take to arrive (it normally comes with the last record).
 DRAIN_SECONDS = 0.1

@@ -31,14 +31,14 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-import chat
+from upstream import chat
 from config import Settings
 from events import (
     CitationFound, Event, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta,
     UsageReport, Warning,
 )
 from failures import UpstreamError, classify_finish, classify_stream_error
-from sse import SSERecord
+from upstream.sse import SSERecord
 
 ANTHROPIC_VERSION = "2023-06-01"
 # The first web fetch version sat behind a beta flag; later versions need none (PROTOCOLS.md B).
