@@ -16,8 +16,9 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
+from schemas import TIERS
+
 ROOT = Path(__file__).resolve().parent
-TIERS = ("fast", "balanced", "frontier")
 
 # The seven-model lineup a newcomer starts with (OpenRouter-style ids), cheapest tier first.
 DEFAULT_MODELS = (

@@ -259,13 +259,15 @@ def project(conv: dict, memory: str, settings: Settings) -> int:
 
 
 def context_breakdown(conv: dict, memory: str, settings: Settings) -> dict:
-    """Token counts behind the context bar: the system layers counted, history the rest of the prompt."""
+    """Token counts behind the context bar: the system layers counted, history the rest of the prompt,
+    and the completion reserve that the compression trigger counts too."""
     persona = count_tokens(conv["settings"].get("system_prompt", ""))
     memory_tokens = count_tokens(memory_block(memory))
     summary = count_tokens(summary_block(conv.get("summary", "")))
     size, measured = prompt_size(conv, memory, settings)
     return {"budget": budget_of(conv, settings), "persona": persona, "memory": memory_tokens, "summary": summary,
-            "history": max(0, size - persona - memory_tokens - summary), "measured": measured}
+            "history": max(0, size - persona - memory_tokens - summary),
+            "reserve": settings.max_completion_tokens, "measured": measured}
 
 
 # --- Compression -------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""Typed events that both upstream transports decode into.
+"""Typed events: what the upstream decoders give, and what a turn tells the page.
 
-`chat.py` (chat completions) and `tools.py` (Messages with server tools) turn wire bytes into
-these values; the turn runner in `server.py` folds them into a reply with `accumulate()` and
-turns them into SSE frames only at the edge. Nothing here knows a wire format.
+`upstream.chat` and `upstream.messages` turn wire bytes into the first kind; the turn pipeline
+(`turns.py`) folds them into a reply with `accumulate()` and yields the page's events (the
+visible upstream ones plus `TurnStarted`, `Compressed`, `TurnWarning`, `TurnFailed`,
+`TurnDone`); `streaming.encode` makes SSE frames of them at the route, the only place that
+does. Nothing here knows a wire format.
 
-Failures are not events: a transport raises `failures.UpstreamError` and the runner decides
-what the person sees.
+Upstream failures are not events: a decoder raises `failures.UpstreamError`, and the pipeline
+decides what the person sees (a `TurnFailed`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,9 @@ class Finished:
 
 
 @dataclass(frozen=True, slots=True)
-class Warning:
+class TurnWarning:
+    """Something the person should know about a reply that still goes on (API.md's warning codes)."""
+
     code: str
     message: str
     type: Literal["warning"] = "warning"
@@ -85,7 +88,55 @@ class Warning:
 
 Event = (
     TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone | CitationFound
-    | UsageReport | Finished | Warning
+    | UsageReport | Finished | TurnWarning
+)
+
+
+# --- What a turn tells the page -----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    assistant_message_id: str
+    model: str
+    user_message_id: str | None = None
+    type: Literal["start"] = "start"
+
+
+@dataclass(frozen=True, slots=True)
+class Compressed:
+    """A compression ran before this turn's reply: the `compression` event's data, notice included."""
+
+    data: dict
+    type: Literal["compression"] = "compression"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFailed:
+    """The turn ended without a complete reply; `draft` is set when the person's message was rolled back."""
+
+    kind: str
+    message: str
+    retryable: bool
+    retry_after: float | None
+    partial: bool
+    draft: str | None = None
+    type: Literal["error"] = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnDone:
+    """The reply is saved; `status` is `interrupted` when Stop ended it."""
+
+    assistant_message_id: str
+    usage: dict | None
+    citations: list[dict]
+    status: str = "complete"
+    type: Literal["done"] = "done"
+
+
+TurnEvent = (
+    TurnStarted | Compressed | TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone
+    | TurnWarning | TurnFailed | TurnDone
 )
 
 
@@ -99,6 +150,7 @@ class Reply:
     citations: list[dict] = field(default_factory=list)
     # One raw usage per upstream request: a paused tool turn makes several.
     usages: list[dict] = field(default_factory=list)
+    warnings: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     searches: int = 0
     fetches: int = 0
@@ -107,10 +159,6 @@ class Reply:
     def has_output(self) -> bool:
         """True once anything the person can see has arrived (text, thought, tool step)."""
         return bool(self.text or self.reasoning or self.activity)
-
-
-def _domain(url: str) -> str:
-    return urlsplit(url).hostname or url
 
 
 def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
@@ -134,9 +182,7 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
                 )
         case SearchStarted(query=query):
             reply.searches += 1
-            reply.activity.append(
-                {"kind": "search", "query": query, "results": None, "domains": [], "at": now}
-            )
+            reply.activity.append({"kind": "search", "query": query, "results": None, "at": now})
         case SearchResults(query=query, results=results, error_code=error_code):
             step = next(
                 (s for s in reversed(reply.activity)
@@ -147,7 +193,6 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
                 step = {"kind": "search", "query": query, "at": now}
                 reply.activity.append(step)
             step["results"] = results
-            step["domains"] = sorted({_domain(r["url"]) for r in results or []})
             if error_code:
                 step["error"] = error_code
         case FetchDone(url=url, title=title, ok=ok, error_code=error_code):
@@ -165,6 +210,6 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
             reply.usages.append(raw)
         case Finished(reason=reason):
             reply.finish_reason = reason
-        case Warning():
-            pass
+        case TurnWarning(code=code, message=message):
+            reply.warnings.append({"code": code, "message": message})
     return reply

@@ -1,14 +1,162 @@
-"""Request bodies, one schema per direction, with their limits declared on the fields.
-
-Responses are the stored JSON documents themselves (API.md's Conversation), so only inputs
-need schemas here.
+"""The data's shapes: request bodies (pydantic, with their limits declared on the fields) and the
+stored and answered documents (TypedDicts: free at run time, so conversations stay plain dicts
+that orjson writes at full speed, yet `/openapi.json` documents every answer).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from typing_extensions import NotRequired, TypedDict
+
+Tier = Literal["fast", "balanced", "frontier"]
+TIERS: tuple[Tier, ...] = ("fast", "balanced", "frontier")
+
+
+# --- Stored and answered documents --------------------------------------------------------------
+
+class Usage(TypedDict):
+    """One reply's usage, normalised: `input_tokens` is the whole prompt, cached and written included."""
+
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    cache_write_tokens: int
+    cost: float | None
+    searches: int
+    fetches: int
+    estimated: bool
+
+
+class Citation(TypedDict):
+    url: str
+    title: str
+
+
+class ReplyWarning(TypedDict):
+    code: str
+    message: str
+
+
+class ActivityStep(TypedDict):
+    """One step of a reply's trail: `thinking`, `search` or `fetch` (fields by kind)."""
+
+    kind: Literal["thinking", "search", "fetch"]
+    text: NotRequired[str]
+    started_at: NotRequired[float]
+    ended_at: NotRequired[float]
+    query: NotRequired[str]
+    results: NotRequired[list[dict[str, Any]] | None]
+    url: NotRequired[str]
+    title: NotRequired[str | None]
+    ok: NotRequired[bool]
+    error: NotRequired[str]
+    at: NotRequired[float]
+
+
+class Message(TypedDict):
+    id: str
+    role: Literal["user", "assistant", "notice"]
+    content: str
+    created_at: str
+    model: NotRequired[str]
+    status: NotRequired[Literal["complete", "interrupted"]]
+    activity: NotRequired[list[ActivityStep]]
+    citations: NotRequired[list[Citation]]
+    usage: NotRequired[Usage]
+    warnings: NotRequired[list[ReplyWarning]]
+    error: NotRequired[str]
+    compression: NotRequired[dict[str, Any]]
+
+
+class Totals(TypedDict):
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    searches: int
+    fetches: int
+    cost: float
+    cost_unreported: int
+    turns: int
+    compression_cost: float
+    compression_calls: int
+
+
+class ContextBar(TypedDict):
+    budget: int
+    persona: int
+    memory: int
+    summary: int
+    history: int
+    reserve: int
+    measured: bool
+
+
+class Conversation(TypedDict):
+    id: str
+    title: str
+    model: str
+    created_at: str
+    updated_at: str
+    settings: dict[str, Any]
+    summary: str
+    messages: list[Message]
+    archive: NotRequired[list[Message]]
+    last_prompt_tokens: int | None
+    totals: Totals
+    context: ContextBar
+    streaming: bool
+
+
+class ConversationEntry(TypedDict):
+    id: str
+    title: str
+    model: str
+    updated_at: str
+    message_count: int
+    last_message_at: str
+    streaming: bool
+
+
+class ModelEntry(TypedDict):
+    id: str
+    label: str
+    reasoning: bool
+    custom: bool
+
+
+class TierEntry(TypedDict):
+    tier: Tier
+    models: list[ModelEntry]
+
+
+class Lineup(TypedDict):
+    default: str
+    summarizer: str
+    tiers: list[TierEntry]
+
+
+class Health(TypedDict):
+    ok: bool
+    gateway_configured: bool
+    gateway: Literal["demo", "configured"]
+
+
+class MemoryText(TypedDict):
+    text: str
+
+
+class Draft(TypedDict):
+    content: str
+
+
+class Preset(TypedDict):
+    name: str
+    text: str
+
+
+# --- Request bodies ------------------------------------------------------------------------------
 
 TRANSCRIPT_PLACEHOLDER = "{transcript}"
 
@@ -76,7 +224,7 @@ class Empty(Strict):
 
 class ModelCreate(Strict):
     id: ModelId
-    tier: Literal["fast", "balanced", "frontier"] = "balanced"
+    tier: Tier = "balanced"
 
 
 class Login(Strict):

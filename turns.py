@@ -1,12 +1,14 @@
 """The per-turn pipeline: project, compress, assemble, stream, record, and save exactly once.
 
-A turn is begun synchronously by the route (so 404/409/422 are plain HTTP answers) and then
-run as an async generator of SSE frames. Whatever ends it (the reply finishing, the upstream
-breaking, the person pressing Stop or closing the tab) the reply is saved once: the first of
-the three exits to run wins, and the others see it done.
+A turn is begun by the route (so 404/409/422 are plain HTTP answers: the conversation's turn
+lock is taken in the store, and the person's message is added) and then run as an async
+generator of typed turn events (`events.TurnEvent`); the route encodes them. Whatever ends it
+(the reply finishing, the upstream breaking, the person pressing Stop or closing the tab) the
+reply is saved once: the first of the exits to run settles the turn's `Outcome`, and the others
+see it settled.
 
-It knows the order of the pipeline and the turn's invariants; wire formats live in `chat.py`
-and `tools.py`, the prompt layout and token arithmetic in `context.py`, files in `storage.py`.
+It knows the order of the pipeline and the turn's invariants; wire formats live in `upstream/`,
+the prompt layout and token arithmetic in `context.py`, persistence behind `storage.OwnerStore`.
 """
 
 from __future__ import annotations
@@ -14,29 +16,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import enum
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
-import httpx
-import orjson
 
-from upstream import chat
 import context
-from upstream import messages as tools
 from config import Settings
 from events import (
-    Event, FetchDone, ReasoningDelta, Reply, SearchResults, SearchStarted, TextDelta, Warning, accumulate,
+    Compressed, Event, Reply, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning, accumulate,
 )
 from failures import UpstreamError, classify_exception
-from storage import NotFound, Store, new_id, now_iso
+from storage import NotFound, OwnerStore, TurnLock, new_id, now_iso
+from upstream import chat
+from upstream import messages as web_tools
+from upstream.client import Gateway
 
 log = logging.getLogger("chat.turns")
 
-
-class TurnBusy(Exception):
-    """A turn is already streaming on this conversation."""
+NEW_TITLE = "New conversation"
 
 
 class NothingToAnswer(Exception):
@@ -44,26 +44,31 @@ class NothingToAnswer(Exception):
 
 
 class OpeningFailed(Exception):
-    """The turn's opening write did not reach the disk (the file is re-read without it)."""
+    """The turn's opening write did not reach the store (it is re-read without it)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Gateway:
-    base_url: str
-    api_key: str | None
+class Outcome(enum.Enum):
+    """How a turn was settled; only the first exit to run settles it."""
 
-    def url(self, path: str) -> str:
-        return f"{self.base_url}{path}"
+    PENDING = "pending"
+    SAVED = "saved"                # the reply is stored
+    EMPTY = "empty"                # nothing arrived and nothing was billed: nothing to store
+    ROLLED_BACK = "rolled_back"    # it failed before any output: the person's message went back to them
+    DISCARDED = "discarded"        # the opening write failed: nothing of this turn may be stored
+    ABANDONED = "abandoned"        # the client left before the stream began
 
 
 @dataclass(slots=True)
 class Turn:
-    conv_id: str
+    store: OwnerStore
+    lock: TurnLock
     model: str
     user_message: dict | None  # None when regenerating: the question is already stored
     assistant_id: str = field(default_factory=new_id)
     reply: Reply = field(default_factory=Reply)
-    saved: bool = False
+    outcome: Outcome = Outcome.PENDING
+    # Set once the request went upstream: from then on a stopped reply was billed, text or not.
+    requested: bool = False
     # Our own count of the prompt, the floor under the measured one; counted on a worker thread
     # (tiktoken lets go of the GIL), because the first count of a long conversation takes
     # hundreds of milliseconds that every other stream would otherwise wait through.
@@ -72,41 +77,17 @@ class Turn:
     # while the prompt is assembled and sent; awaited before the first upstream event is passed on.
     opening: asyncio.Future | None = None
 
+    @property
+    def conv_id(self) -> str:
+        return self.lock.conv_id
 
-def frame(name: str, data: dict) -> bytes:
-    """One SSE record, encoded once here (sse-starlette passes bytes through untouched).
-
-    Compact JSON holds no line break, so `data` is always one line.
-    """
-    return b"event: " + name.encode() + b"\r\ndata: " + orjson.dumps(data) + b"\r\n\r\n"
-
-
-def event_frame(event: Event) -> bytes | None:
-    """The SSE frame the page sees for one upstream event, if any."""
-    match event:
-        case TextDelta(text=text):
-            return frame("delta", {"text": text})
-        case ReasoningDelta(text=text):
-            return frame("reasoning", {"text": text})
-        case SearchStarted(query=query):
-            return frame("search", {"query": query, "results": None})
-        case SearchResults(query=query, results=results, error_code=error_code):
-            data = {"query": query, "results": results}
-            if error_code:
-                data["error"] = error_code
-            return frame("search", data)
-        case FetchDone(url=url, title=title, ok=ok, error_code=error_code):
-            data = {"url": url, "title": title, "ok": ok}
-            if error_code:
-                data["error"] = error_code
-            return frame("fetch", data)
-        case Warning(code=code, message=message):
-            return frame("warning", {"code": code, "message": message})
-    return None
+    @property
+    def settled(self) -> bool:
+        return self.outcome is not Outcome.PENDING
 
 
 def title_from(text: str, limit: int = 60) -> str:
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "New conversation")
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), NEW_TITLE)
     if len(line) <= limit:
         return line
     cut = line[:limit].rsplit(" ", 1)[0]
@@ -136,53 +117,52 @@ def combined(reports: list[dict]) -> dict:
     return total
 
 
+def failed(failure: UpstreamError, *, partial: bool, draft: str | None = None) -> TurnFailed:
+    """The one place an upstream failure becomes the page's `error` event."""
+    return TurnFailed(failure.kind, failure.message, failure.retryable, failure.retry_after, partial, draft)
+
+
 class Turns:
-    """Runs turns against one gateway; remembers which conversations are streaming."""
+    """Runs turns against one gateway."""
 
-    def __init__(self, store: Store, settings: Settings, client: httpx.AsyncClient, gateway: Gateway) -> None:
-        self.store = store
+    def __init__(self, settings: Settings, gateway: Gateway) -> None:
         self.settings = settings
-        self.client = client
         self.gateway = gateway
-        self.active: dict[str, Turn] = {}
 
-    def is_streaming(self, conv_id: str) -> bool:
-        return conv_id in self.active
-
-    def begin(self, conv_id: str, content: str | None) -> Turn:
+    async def begin(self, store: OwnerStore, conv_id: str, content: str | None) -> Turn:
         """Claim the conversation and add the person's message (or clear the answer to regenerate).
 
-        The change is made now; its write to disk runs while `run` sends the request upstream.
+        The change is visible at once; its write runs while `run` sends the request upstream.
         """
-        if conv_id in self.active:
-            raise TurnBusy(conv_id)
-        conv = self.store.get(conv_id)
-        if content is None:
-            if not any(m["role"] == "user" for m in conv["messages"]):
-                raise NothingToAnswer(conv_id)
-            turn = Turn(conv_id, conv["model"], None)
-            self.active[conv_id] = turn
-            self._open(turn, _drop_trailing_answers)
-        else:
-            user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
+        lock = await store.lock_turn(conv_id)
+        try:
+            conv = await store.get(conv_id)
+            if content is None:
+                if not any(m["role"] == "user" for m in conv["messages"]):
+                    raise NothingToAnswer(conv_id)
+                turn = Turn(store, lock, conv["model"], None)
+                change = _drop_trailing_answers
+            else:
+                user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
 
-            def append(c: dict) -> None:
-                if not any(m["role"] == "user" for m in c["messages"]):
-                    c["title"] = title_from(content)
-                c["messages"].append(user)
+                def change(c: dict) -> None:
+                    if not any(m["role"] == "user" for m in c["messages"]):
+                        c["title"] = title_from(content)
+                    c["messages"].append(user)
 
-            turn = Turn(conv_id, conv["model"], user)
-            self.active[conv_id] = turn
-            self._open(turn, append)
+                turn = Turn(store, lock, conv["model"], user)
+            _, turn.opening = await store.update_soon(conv_id, change, lock=lock)
+        except BaseException:
+            await store.unlock_turn(lock)
+            raise
         return turn
 
-    def _open(self, turn: Turn, change) -> None:
-        """The turn's opening change; the conversation is claimed first, so a second turn is 409."""
-        try:
-            _, turn.opening = self.store.update_soon(turn.conv_id, change)
-        except BaseException:
-            self.active.pop(turn.conv_id, None)
-            raise
+    async def release(self, turn: Turn) -> None:
+        """Give the conversation back; a turn whose stream never ran stores nothing."""
+        if not turn.settled:
+            turn.outcome = Outcome.ABANDONED
+        with anyio.CancelScope(shield=True):
+            await turn.store.unlock_turn(turn.lock)
 
     async def _opened(self, turn: Turn) -> None:
         """Wait for the opening write; if it failed, nothing of this turn may be stored."""
@@ -192,28 +172,28 @@ class Turns:
         try:
             await asyncio.shield(opening)
         except Exception as exc:
-            turn.saved = True  # a reply without its question must never be stored
+            turn.outcome = Outcome.DISCARDED  # a reply without its question must never be stored
             raise OpeningFailed(getattr(exc, "strerror", None) or type(exc).__name__) from exc
 
-    async def compress(self, conv_id: str, *, pending: bool) -> dict:
+    async def compress(self, store: OwnerStore, conv_id: str, *, pending: bool,
+                       lock: TurnLock | None = None) -> dict:
         """Compress one conversation: the `compression` event's data plus the stored `notice`.
 
         A no-op (folded 0, no notice) when nothing is old enough. `pending`: the last message is
         the one being answered. The summarizer's call is charged to the conversation like a
         turn's, and counted apart as compression cost.
         """
-        result = await context.compress(self.store.get(conv_id), self.settings, self._summarize, pending=pending)
+        result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending)
         if not result.history:
             return result.event(0)
-        # Memory is read only now, with no await before the write: another conversation may
-        # have added facts while the summarizer ran.
-        memory, added = context.merge_facts(self.store.read_memory(), list(result.facts))
+        # Memory is read only now: another conversation may have added facts while the summarizer ran.
+        memory, added = context.merge_facts(await store.read_memory(), list(result.facts))
         if added:
-            self.store.write_memory(memory)
+            await store.write_memory(memory)
         data = result.event(added)
         notice = result.notice(data)
 
-        def store(c: dict) -> None:
+        def save(c: dict) -> None:
             result.apply(c, notice, pending=pending)
             totals = c["totals"]
             totals["compression_calls"] += 1
@@ -221,64 +201,56 @@ class Turns:
                 add_usage(totals, result.usage)
                 totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
 
-        await self.store.update(conv_id, store)
+        await store.update(conv_id, save, lock=lock)
         return {**data, "notice": notice}
 
-    async def compress_now(self, conv_id: str) -> dict:
+    async def compress_now(self, store: OwnerStore, conv_id: str) -> dict:
         """Compress now (whatever the budget), with the conversation claimed as a turn would claim it."""
-        if conv_id in self.active:
-            raise TurnBusy(conv_id)
-        claim = Turn(conv_id, self.store.get(conv_id)["model"], None)
-        self.active[conv_id] = claim
+        lock = await store.lock_turn(conv_id)
         try:
-            return await self.compress(conv_id, pending=False)
+            return await self.compress(store, conv_id, pending=False, lock=lock)
         finally:
-            if self.active.get(conv_id) is claim:
-                del self.active[conv_id]
+            with anyio.CancelScope(shield=True):
+                await store.unlock_turn(lock)
 
     async def _summarize(self, messages: list[dict]) -> tuple[str, str, dict | None]:
         """One non-streamed call to SUMMARIZER_MODEL, capped at SUMMARY_MAX_TOKENS."""
         model = self.settings.summarizer_model
         body = chat.build_body(model, [], messages, max_tokens=self.settings.summary_max_tokens,
                                params=self.settings.params_for(model), stream=False)
-        return await chat.complete(self.client, self.gateway.url("/v1/chat/completions"), body,
-                                   chat.auth_headers(self.gateway.api_key))
+        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
 
-    def abandon(self, turn: Turn) -> None:
-        """Release a turn whose stream never ran (the client left before the first byte)."""
-        if self.active.get(turn.conv_id) is turn and not turn.saved:
-            turn.saved = True
-            del self.active[turn.conv_id]
-
-    async def run(self, turn: Turn) -> AsyncIterator[bytes]:
-        """SSE frames of one turn; `done` is sent only after the reply is saved."""
+    async def run(self, turn: Turn) -> AsyncIterator[TurnEvent]:
+        """The turn's events; `done` comes only after the reply is saved."""
         reply = turn.reply
-        start = {"assistant_message_id": turn.assistant_id, "model": turn.model}
-        if turn.user_message:
-            start = {"user_message_id": turn.user_message["id"], **start}
+        user_id = turn.user_message["id"] if turn.user_message else None
         try:
-            yield frame("start", start)
-            conv = self.store.get(turn.conv_id)
-            if context.project(conv, self.store.read_memory(), self.settings) > context.budget_of(conv, self.settings):
+            yield TurnStarted(turn.assistant_id, turn.model, user_id)
+            conv = await turn.store.get(turn.conv_id)
+            memory = await turn.store.read_memory()
+            if context.project(conv, memory, self.settings) > context.budget_of(conv, self.settings):
                 await self._opened(turn)  # compression folds the stored messages, the new one included
-                outcome = await self.compress(turn.conv_id, pending=True)
-                yield frame("compression", outcome) if outcome["folded"] or outcome["dropped"] else frame(
-                    "warning", {"code": "over_budget", "message": "This conversation is over its context budget, "
-                                "but nothing is old enough to fold: the most recent messages are kept verbatim."})
+                outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
+                if outcome["folded"] or outcome["dropped"]:
+                    yield Compressed(outcome)
+                else:
+                    yield self._warn(reply, "over_budget", "This conversation is over its context budget, "
+                                     "but nothing is old enough to fold: the most recent messages are kept verbatim.")
             healed = False
             while True:
-                conv = self.store.get(turn.conv_id)
-                prompt = context.build_prompt(conv, self.store.read_memory(), self.settings, today=dt.date.today(),
-                                              tool_instructions=tools.instructions(conv["settings"], self.settings))
+                conv = await turn.store.get(turn.conv_id)
+                prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
+                                              today=dt.date.today(),
+                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings))
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
+                    turn.requested = True
                     async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
                         async for event in events:
                             if turn.opening is not None:
                                 await self._opened(turn)
                             accumulate(reply, event)
-                            if (out := event_frame(event)) is not None:
-                                yield out
+                            yield event
                     break
                 except UpstreamError as failure:
                     # An overflow before the first token means our projection fell short: compress
@@ -287,27 +259,21 @@ class Turns:
                         raise
                     healed = True
                     await self._opened(turn)
-                    outcome = await self.compress(turn.conv_id, pending=True)
+                    outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
                     if not (outcome["folded"] or outcome["dropped"]):
                         raise
-                    yield frame("compression", outcome)
+                    yield Compressed(outcome)
             if reply.finish_reason in ("length", "max_tokens"):
-                yield frame("warning", {
-                    "code": "max_tokens",
-                    "message": "The reply stopped at the output limit (MAX_COMPLETION_TOKENS).",
-                })
+                yield self._warn(reply, "max_tokens", "The reply stopped at the output limit (MAX_COMPLETION_TOKENS).")
             usage = await self._save(turn, "complete")
-            yield frame("done", {"assistant_message_id": turn.assistant_id, "usage": usage,
-                                 "citations": reply.citations})
+            yield TurnDone(turn.assistant_id, usage, reply.citations)
         except UpstreamError as failure:
             yield await self._fail(turn, failure)
         except OpeningFailed as exc:
             log.error("turn on %s could not save its opening change: %s", turn.conv_id, exc)
-            data = {"kind": "upstream", "message": f"The conversation could not be saved ({exc}); nothing was kept.",
-                    "retryable": True, "retry_after": None, "partial": False}
-            if turn.user_message is not None:
-                data["draft"] = turn.user_message["content"]
-            yield frame("error", data)
+            draft = turn.user_message["content"] if turn.user_message is not None else None
+            yield TurnFailed("storage", f"The conversation could not be saved ({exc}); nothing was kept.",
+                             True, None, False, draft)
         except Exception as exc:  # a bug or an unexpected fault must still end the stream cleanly
             log.exception("turn on %s failed", turn.conv_id)
             yield await self._fail(turn, classify_exception(exc))
@@ -316,11 +282,18 @@ class Turns:
             # because a cancelled task would otherwise be cancelled again at the save's first await.
             with anyio.CancelScope(shield=True):
                 await self._save(turn, "interrupted")
-            self.active.pop(turn.conv_id, None)
+                await turn.store.unlock_turn(turn.lock)
+
+    @staticmethod
+    def _warn(reply: Reply, code: str, message: str) -> TurnWarning:
+        """A warning of the pipeline's own, kept with the reply like the transports' warnings."""
+        warning = TurnWarning(code, message)
+        accumulate(reply, warning)
+        return warning
 
     def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
         """Turns with web tools go to /v1/messages, the only endpoint that shows the searches."""
-        names = tools.enabled(conv["settings"], self.settings)
+        names = web_tools.enabled(conv["settings"], self.settings)
         if names:
             return self._tool_transport(turn, conv, prompt, names)
         return self._chat_transport(turn, prompt)
@@ -330,46 +303,42 @@ class Turns:
             turn.model, prompt.system, prompt.messages,
             max_tokens=self.settings.max_completion_tokens, params=self.settings.params_for(turn.model),
         )
-        return chat.stream(self.client, self.gateway.url("/v1/chat/completions"), body,
-                           chat.auth_headers(self.gateway.api_key))
+        return self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
 
     async def _tool_transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
                               names: list[str]) -> AsyncIterator[Event]:
         """A tool turn; when the gateway rejects every tool, the turn is answered as a chat turn."""
         try:
-            async with contextlib.aclosing(tools.stream(
-                self.client, self.gateway.url("/v1/messages"), model=turn.model,
-                system=prompt.system, messages=prompt.messages,
-                tools=tools.declarations(names, self.settings), api_key=self.gateway.api_key,
+            async with contextlib.aclosing(web_tools.stream(
+                self.gateway, model=turn.model, system=prompt.system, messages=prompt.messages,
+                tools=web_tools.declarations(names, self.settings),
                 max_tokens=self.settings.max_completion_tokens, pause_turn_max=self.settings.pause_turn_max,
             )) as events:
                 async for event in events:
                     yield event
             return
-        except tools.ToolsRejected as rejected:
+        except web_tools.ToolsRejected as rejected:
             yield rejected.warning
         # Without tools the budget sentence would promise searches the model cannot make.
-        sentence = (tools.instructions(conv["settings"], self.settings) or "").strip()
+        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
         plain = context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
         async with contextlib.aclosing(self._chat_transport(turn, plain)) as events:
             async for event in events:
                 yield event
 
-    async def _fail(self, turn: Turn, failure: UpstreamError) -> bytes:
-        """Save or roll back, then the `error` frame that ends the stream."""
-        data = {
-            "kind": failure.kind, "message": failure.message, "retryable": failure.retryable,
-            "retry_after": failure.retry_after, "partial": turn.reply.has_output,
-        }
-        if turn.reply.has_output:
+    async def _fail(self, turn: Turn, failure: UpstreamError) -> TurnFailed:
+        """Save or roll back, then the `error` event that ends the stream."""
+        partial = turn.reply.has_output
+        draft = None
+        if partial:
             await self._save(turn, "interrupted", error=failure.kind)
-        else:
-            turn.saved = True
+        elif not turn.settled:
+            turn.outcome = Outcome.ROLLED_BACK
             if turn.user_message is not None:
                 await self._roll_back(turn)
-                data["draft"] = turn.user_message["content"]
+                draft = turn.user_message["content"]
         log.info("turn on %s ended with %s: %s", turn.conv_id, failure.kind, failure.message)
-        return frame("error", data)
+        return failed(failure, partial=partial, draft=draft)
 
     async def _roll_back(self, turn: Turn) -> None:
         """Take the person's message back out, so sending the draft again does not duplicate it."""
@@ -378,19 +347,21 @@ class Turns:
         def remove(c: dict) -> None:
             c["messages"] = [m for m in c["messages"] if m["id"] != message_id]
             if not any(m["role"] == "user" for m in c["messages"]):
-                c["title"] = "New conversation"
+                c["title"] = NEW_TITLE
 
         with contextlib.suppress(NotFound):
-            await self.store.update(turn.conv_id, remove)
+            await turn.store.update(turn.conv_id, remove, lock=turn.lock)
 
     async def _save(self, turn: Turn, status: str, error: str | None = None) -> dict | None:
-        """Store the reply once; an empty reply is never stored."""
-        if turn.saved:
+        """Store the reply once; an empty reply is stored only when Stop cut a billed request short."""
+        if turn.settled:
             return None
-        turn.saved = True
         reply = turn.reply
-        if not reply.has_output:
+        stopped_early = status == "interrupted" and error is None and turn.requested
+        if not reply.has_output and not stopped_early:
+            turn.outcome = Outcome.EMPTY
             return None
+        turn.outcome = Outcome.SAVED
         sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
         reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
             context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
@@ -402,6 +373,8 @@ class Turns:
             "created_at": now_iso(), "model": turn.model, "status": status,
             "activity": reply.activity, "citations": reply.citations, "usage": usage,
         }
+        if reply.warnings:
+            message["warnings"] = reply.warnings
         if error:
             message["error"] = error
 
@@ -414,7 +387,7 @@ class Turns:
                 c["last_prompt_tokens"] = reports[-1]["input_tokens"]
 
         try:
-            await self.store.update(turn.conv_id, append)
+            await turn.store.update(turn.conv_id, append, lock=turn.lock)
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
         return usage

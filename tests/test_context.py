@@ -13,6 +13,7 @@ import pytest
 
 import context
 from config import Settings
+from storage import LOCAL_OWNER
 from simulator import Script, Usage, errors, steps
 
 KEEP = 3  # odd, so the plain cut would land on a reply and has to move back to a question
@@ -306,11 +307,11 @@ async def test_compress_now_folds_on_demand_and_is_a_no_op_when_nothing_is_old_e
 
 async def test_compress_now_is_409_while_a_turn_streams(app, client, conv):
     turns = app.state.chat.turns
-    turn = turns.begin(conv["id"], "still streaming")
+    turn = await turns.begin(app.state.chat.store.for_owner(LOCAL_OWNER), conv["id"], "still streaming")
     try:
         response = await client.post(f"/api/conversations/{conv['id']}/compress", json={})
     finally:
-        turns.abandon(turn)
+        await turns.release(turn)
 
     assert response.status_code == 409
     assert (await client.post("/api/conversations/NoSuchConversation1/compress", json={})).status_code == 404
@@ -442,7 +443,7 @@ async def test_context_bar_is_the_measured_prompt_split_by_layer(api, client, si
     persona = context.count_tokens(conv["settings"]["system_prompt"])
     memory = context.count_tokens(context.memory_block("- Likes tea"))
     assert bar == {"budget": 102_400, "persona": persona, "memory": memory, "summary": 0,
-                   "history": 3000 + 120 - persona - memory, "measured": True}
+                   "history": 3000 + 120 - persona - memory, "reserve": RESERVE, "measured": True}
 
 
 # --- The layered prompt ----------------------------------------------------------------------------
@@ -553,10 +554,20 @@ def test_merge_facts_dedups_exact_lines_ignoring_case_space_and_bullets():
 
 
 async def test_over_budget_with_nothing_old_enough_warns_and_still_answers(api, sim, conv):
-    await api.patch(conv["id"], settings={"context_budget": 50})
+    await api.patch(conv["id"], settings={"context_budget": RESERVE + 256})
     sim.enqueue(reply("short answer"))
 
-    events = await api.send(conv["id"], "one long first message")
+    events = await api.send(conv["id"], "one long first message " * 80)
 
     assert names(events) == ["start", "warning", "delta", "done"]
     assert events[1][1]["code"] == "over_budget" and summarizer_calls(sim) == []
+    stored = (await api.get(conv["id"]))["messages"][-1]
+    assert stored["warnings"] == [events[1][1]], "the warning must outlive the stream"
+
+
+async def test_a_budget_too_small_for_the_reserve_and_a_minimal_prompt_is_refused(api, client, conv):
+    response = await client.patch(f"/api/conversations/{conv['id']}", json={"settings": {"context_budget": 50}})
+
+    assert response.status_code == 422
+    assert f"at least {RESERVE + 256}" in response.json()["detail"]
+    assert (await api.get(conv["id"]))["settings"]["context_budget"] != 50

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 import context
-import storage
 
 from support import names, parse_sse
 from simulator import Script, Usage, errors, steps
@@ -279,15 +278,30 @@ async def test_invalid_settings_are_422_with_a_message(api, client, conv, patch)
     assert after["settings"] == before["settings"] and after["model"] == before["model"]
 
 
-async def test_conversation_list_is_newest_first_with_counts(api, client, sim):
+async def test_conversation_list_is_ordered_by_last_message_not_by_last_edit(api, client, sim):
     first = await api.new()
     second = await api.new()
-    await api.patch(first["id"], title="renamed")
+    await api.patch(first["id"], title="renamed", settings={"preset": "coder"})
 
     listing = (await client.get("/api/conversations")).json()
 
+    assert [c["id"] for c in listing] == [second["id"], first["id"]], "a rename must not move a conversation up"
+    assert listing[1]["title"] == "renamed" and listing[1]["message_count"] == 0
+    sim.enqueue(Script(steps=[steps.Text("Hi.")]))
+    await api.send(first["id"], "hello")
+    listing = (await client.get("/api/conversations")).json()
     assert [c["id"] for c in listing] == [first["id"], second["id"]]
-    assert listing[0]["title"] == "renamed" and listing[0]["message_count"] == 0
+    assert listing[0]["message_count"] == 2 and listing[0]["streaming"] is False
+
+
+async def test_the_message_count_leaves_out_compression_notices(api, client, app, conv):
+    notice = {"id": "notice-0001", "role": "notice", "content": "Folded 2 messages.", "created_at": "2026-01-01T00:00:00.000Z"}
+    store = app.state.chat.store.for_owner("local")
+    await store.update(conv["id"], lambda c: c["messages"].append(notice))
+
+    (entry,) = (await client.get("/api/conversations")).json()
+
+    assert entry["message_count"] == 0
 
 
 async def test_delete_removes_the_file(api, client, app):
@@ -315,7 +329,7 @@ async def test_models_lineup_and_custom_models(client, app):
 
 async def test_memory_and_presets(client, app):
     assert (await client.put("/api/memory", json={"text": "- prefers Python\n"})).json() == {"text": "- prefers Python\n"}
-    assert app.state.chat.store.memory_path.read_text() == "- prefers Python\n"
+    assert app.state.chat.store.memory_path("local").read_text() == "- prefers Python\n"
     assert (await client.get("/api/memory")).json()["text"] == "- prefers Python\n"
     presets = (await client.get("/api/presets")).json()
     assert "default" in [p["name"] for p in presets] and all(p["text"] for p in presets)
@@ -342,20 +356,15 @@ async def test_demo_gateway_answers_without_configuration(tmp_path):
     assert "simulated" in text.lower() and "```" in text
 
 
-async def test_the_request_goes_upstream_while_the_message_is_still_being_written(api, sim, conv, settings,
-                                                                                  monkeypatch):
-    real = storage._write_and_stamp
+async def test_the_request_goes_upstream_while_the_message_is_still_being_written(api, app, sim, conv, settings):
     landed = []
 
     def slow_opening(path, data):
         if b"written slowly" in data and not landed:
             time.sleep(0.3)
-            stamp = real(path, data)
             landed.append(time.monotonic())
-            return stamp
-        return real(path, data)
 
-    monkeypatch.setattr(storage, "_write_and_stamp", slow_opening)
+    app.state.chat.store.before_write = slow_opening
     sim.enqueue(Script(steps=[steps.Text("Fine.")]))
 
     events = await api.send(conv["id"], "written slowly")
@@ -367,16 +376,12 @@ async def test_the_request_goes_upstream_while_the_message_is_still_being_writte
                                                                        ("assistant", "Fine.")]
 
 
-async def test_a_message_that_cannot_be_written_comes_back_as_a_draft_with_no_reply_shown(api, sim, conv,
-                                                                                          monkeypatch):
-    real = storage._write_and_stamp
-
+async def test_a_message_that_cannot_be_written_comes_back_as_a_draft_with_no_reply_shown(api, app, sim, conv):
     def disk_full(path, data):
         if b"doomed" in data:
             raise OSError(28, "No space left on device")
-        return real(path, data)
 
-    monkeypatch.setattr(storage, "_write_and_stamp", disk_full)
+    app.state.chat.store.before_write = disk_full
     sim.enqueue(Script(steps=[steps.Text("Never shown.")]), Script(steps=[steps.Text("Back.")]))
 
     events = await api.send(conv["id"], "doomed")
@@ -384,6 +389,7 @@ async def test_a_message_that_cannot_be_written_comes_back_as_a_draft_with_no_re
     assert names(events) == ["start", "error"]
     error = events[-1][1]
     assert error["draft"] == "doomed" and error["partial"] is False and "No space left" in error["message"]
+    assert error["kind"] == "storage", "a disk failure is not the gateway's"
     assert (await api.get(conv["id"]))["messages"] == []
     assert names(await api.send(conv["id"], "again"))[-1] == "done"
     assert [m["content"] for m in (await api.get(conv["id"]))["messages"]] == ["again", "Back."]

@@ -50,7 +50,7 @@ def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
     assert "event: done" in response.text
 
 
-def test_stop_before_any_text_keeps_the_question_and_stores_no_empty_reply(live_server, sim):
+def test_stop_before_any_text_keeps_the_question_and_its_billed_usage(live_server, sim):
     sim.enqueue(Script(steps=[steps.Sleep(3), steps.Text("too late")]))
     conv_id = start_conversation(live_server)
 
@@ -63,4 +63,14 @@ def test_stop_before_any_text_keeps_the_question_and_stores_no_empty_reply(live_
     sim.wait_for_disconnect(timeout=5)
 
     conv = settled(live_server, conv_id)
-    assert [m["role"] for m in conv["messages"]] == ["user"]
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
+    stopped = conv["messages"][1]
+    assert (stopped["content"], stopped["status"]) == ("", "interrupted"), "stopped before the answer began"
+    assert stopped["usage"]["estimated"] is True and stopped["usage"]["input_tokens"] > 0
+    assert conv["totals"]["turns"] == 1, "the provider billed the prompt it read"
+
+    # The empty reply never goes upstream: the next request holds the two questions only.
+    sim.enqueue(Script(steps=[steps.Text("Yes.")]))
+    httpx.post(f"{live_server.base_url}/api/conversations/{conv_id}/messages", json={"content": "hello?"}, timeout=10)
+    sent = sim.requests[-1].body["messages"]
+    assert [m["role"] for m in sent if m["role"] != "system"] == ["user", "user"]

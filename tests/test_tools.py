@@ -115,7 +115,9 @@ async def test_search_and_fetch_stream_live_and_the_trail_and_citations_are_save
     assert [s["kind"] for s in reply["activity"]] == ["thinking", "search", "fetch"]
     thinking, search, fetch = reply["activity"]
     assert thinking["text"] == "Need today's forecast." and thinking["ended_at"] >= thinking["started_at"]
-    assert search["query"] == "seoul weather today" and search["domains"] == ["kma.go.kr", "www.example.com"]
+    assert search["query"] == "seoul weather today" and [r["url"] for r in search["results"]] == [
+        "https://kma.go.kr/weather", "https://www.example.com/seoul"]
+    assert "domains" not in search, "the page derives domains from the results: one source of truth"
     assert (fetch["url"], fetch["ok"]) == ("https://kma.go.kr/weather", True)
     assert reply["citations"] == done["citations"]
     assert (stored["totals"]["searches"], stored["totals"]["fetches"]) == (1, 1)

@@ -11,14 +11,15 @@ import httpx
 import pytest
 
 import context
-from upstream import messages as tools
 from config import Settings
 from events import (
     CitationFound, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta, UsageReport,
 )
 from failures import UpstreamError
+from upstream import messages as tools
+from upstream.client import Gateway as GatewayClient
 
-URL = "http://gateway.test/v1/messages"
+BASE_URL = "http://gateway.test"
 SEARCH_TOOLS = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]
 
 
@@ -138,9 +139,9 @@ class Gateway:
 
 def stream_of(client: httpx.AsyncClient, **overrides):
     kwargs = {"model": "m", "system": [{"type": "text", "text": "sys"}],
-              "messages": [{"role": "user", "content": "hi"}], "tools": SEARCH_TOOLS, "api_key": None,
+              "messages": [{"role": "user", "content": "hi"}], "tools": SEARCH_TOOLS,
               "max_tokens": 100, "pause_turn_max": 3, **overrides}
-    return tools.stream(client, URL, **kwargs)
+    return tools.stream(GatewayClient(client, BASE_URL, None), **kwargs)
 
 
 async def collect(*bodies, **overrides) -> tuple[list, UpstreamError | None, Gateway]:

@@ -1,25 +1,21 @@
-"""The `/v1/chat/completions` wire format: request bodies, and streams decoded into events.
+"""The `/v1/chat/completions` wire format: request bodies, and a pure decoder of its stream.
 
-Owns everything about that endpoint's bytes: chunk shapes, the reasoning field's two names,
-the usage chunk, finish reasons, errors as HTTP status or inside the stream. It yields
-`events` values and raises `failures.UpstreamError`; it knows nothing of conversations.
+Owns everything about that endpoint's bytes: chunk shapes (checked: a chunk that is not what
+the format says ends the turn with a message naming what was wrong), the reasoning field's two
+names, the usage chunk, finish reasons, errors inside the stream. `ChatDecoder` takes SSE
+records and gives `events` values; it knows no HTTP (that is `upstream.client`) and nothing of
+conversations.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-
-import anyio
-import httpx
-import orjson
 
 from events import Event, Finished, ReasoningDelta, TextDelta, UsageReport
-from failures import UpstreamError, classify_exception, classify_finish, classify_http, classify_stream_error, redact
-from upstream.sse import SSEDecoder
+from failures import UpstreamError, classify_finish, classify_stream_error
+from upstream.sse import SSERecord
 
-# How long the end of a finished body may take to arrive (it normally comes with the last record).
-DRAIN_SECONDS = 0.1
+PATH = "/v1/chat/completions"
 
 
 def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
@@ -40,123 +36,91 @@ def auth_headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def open_stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> httpx.Response:
-    """Send the request; a non-200 answer is read, closed and raised as a classified error."""
-    try:
-        # orjson: a long history makes a body of megabytes, which the stdlib encoder takes ~10x longer on.
-        request = client.build_request("POST", url, content=orjson.dumps(body),
-                                       headers={"content-type": "application/json", **headers})
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as exc:
-        raise classify_exception(exc) from exc
-    if response.status_code != 200:
-        try:
-            raw = await response.aread()
-        except httpx.HTTPError:
-            raw = b""
-        finally:
-            await response.aclose()
-        raise classify_http(response.status_code, response.headers, parse_error_body(raw))
-    return response
+def malformed(what: str) -> UpstreamError:
+    return UpstreamError("upstream", f"The gateway sent a malformed stream chunk: {what}.")
 
 
-def parse_error_body(raw: bytes) -> object:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        # Redacted before the cut, which could otherwise leave half a secret behind.
-        return redact(raw.decode("utf-8", "replace"))[:500]
-
-
-async def close_quietly(response: httpx.Response) -> None:
-    """Close the upstream socket even while our task is being cancelled (that is Stop)."""
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
-
-
-async def records(response: httpx.Response) -> AsyncIterator:
-    """SSE records of a response body; transport faults become classified errors."""
-    decoder = SSEDecoder()
-    try:
-        async for chunk in response.aiter_raw():
-            for record in decoder.feed(chunk):
-                yield record
-    except httpx.HTTPError as exc:
-        raise classify_exception(exc) from exc
-    for record in decoder.close():
-        yield record
-
-
-async def drain(rest: AsyncIterator) -> None:
-    """Read a finished stream to the end of its body, so its connection can serve the next turn.
-
-    A gateway that keeps the body open past its last record is not waited for: the connection
-    is then closed instead of reused.
-    """
-    with anyio.move_on_after(DRAIN_SECONDS):
-        async for _ in rest:
-            pass
-
-
-def _json(data: str) -> dict:
+def parse_object(data: str) -> dict:
     try:
         obj = json.loads(data)
     except ValueError:
-        raise UpstreamError("upstream", "The gateway sent a malformed stream chunk.") from None
+        raise malformed("not JSON") from None
     if not isinstance(obj, dict):
-        raise UpstreamError("upstream", "The gateway sent a malformed stream chunk.")
+        raise malformed("not a JSON object")
     return obj
 
 
-async def stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> AsyncIterator[Event]:
-    """Events of one streamed chat completion, ending with `Finished`, or an UpstreamError."""
-    response = await open_stream(client, url, body, headers)
-    finish: str | None = None
-    refusal = ""
-    try:
-        stream_records = records(response)
-        async for record in stream_records:
-            if record.data == "[DONE]":
-                await drain(stream_records)
-                break
-            chunk = _json(record.data)
-            if chunk.get("error"):
-                raise classify_stream_error(chunk)
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-                if reasoning:
-                    yield ReasoningDelta(reasoning)
-                if delta.get("content"):
-                    yield TextDelta(delta["content"])
-                if delta.get("refusal"):
-                    refusal += delta["refusal"]
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
-            if chunk.get("usage"):
-                yield UsageReport(chunk["usage"])
-    finally:
-        await close_quietly(response)
-    if refusal:
-        raise UpstreamError("refused", refusal)
-    if finish is None:
-        raise UpstreamError("upstream", "The gateway's stream ended before the reply was finished.")
-    yield Finished(finish)
-    if (failure := classify_finish(finish)) is not None:
-        raise failure
+def _optional_text(container: dict, key: str, where: str) -> str:
+    value = container.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise malformed(f"{where}.{key} is {type(value).__name__}, not a string")
+    return value
 
 
-async def complete(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[str, str, dict | None]:
-    """One non-streamed completion: (text, finish_reason, raw usage)."""
-    try:
-        response = await client.post(url, json=body, headers=headers)
-    except httpx.HTTPError as exc:
-        raise classify_exception(exc) from exc
-    if response.status_code != 200:
-        raise classify_http(response.status_code, response.headers, parse_error_body(response.content))
-    data = _json(response.text)
+class ChatDecoder:
+    """One streamed chat completion: records in, events out, the finish checked at the end."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self._finish: str | None = None
+        self._refusal = ""
+
+    def feed(self, record: SSERecord) -> list[Event]:
+        if record.data == "[DONE]":
+            self.finished = True
+            return []
+        chunk = parse_object(record.data)
+        if chunk.get("error"):
+            raise classify_stream_error(chunk)
+        events: list[Event] = []
+        choices = chunk.get("choices")
+        if choices is None:
+            choices = []
+        if not isinstance(choices, list):
+            raise malformed(f"choices is {type(choices).__name__}, not a list")
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise malformed("a choice is not an object")
+            delta = choice.get("delta")
+            if delta is None:
+                delta = {}
+            if not isinstance(delta, dict):
+                raise malformed(f"delta is {type(delta).__name__}, not an object")
+            # vLLM and Ollama say `reasoning`; DeepSeek and GLM `reasoning_content`.
+            reasoning = _optional_text(delta, "reasoning", "delta") or _optional_text(delta, "reasoning_content", "delta")
+            if reasoning:
+                events.append(ReasoningDelta(reasoning))
+            if content := _optional_text(delta, "content", "delta"):
+                events.append(TextDelta(content))
+            self._refusal += _optional_text(delta, "refusal", "delta")
+            if finish := _optional_text(choice, "finish_reason", "choice"):
+                self._finish = finish
+        usage = chunk.get("usage")
+        if usage is not None:
+            if not isinstance(usage, dict):
+                raise malformed(f"usage is {type(usage).__name__}, not an object")
+            events.append(UsageReport(usage))
+        return events
+
+    def end(self) -> list[Event]:
+        if self._refusal:
+            raise UpstreamError("refused", self._refusal)
+        if self._finish is None:
+            raise UpstreamError("upstream", "The gateway's stream ended before the reply was finished.")
+        if (failure := classify_finish(self._finish)) is not None:
+            raise failure
+        return [Finished(self._finish)]
+
+
+def read_completion(data: dict) -> tuple[str, str, dict | None]:
+    """A non-streamed completion's (text, finish_reason, raw usage)."""
     if data.get("error"):
         raise classify_stream_error(data)
-    choice = (data.get("choices") or [{}])[0]
-    text = (choice.get("message") or {}).get("content") or ""
-    return text, choice.get("finish_reason") or "", data.get("usage")
+    choices = data.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    text = message.get("content") if isinstance(message.get("content"), str) else ""
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    return text, str(choice.get("finish_reason") or ""), usage

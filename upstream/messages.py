@@ -1,5 +1,8 @@
 """The `/v1/messages` wire format (Anthropic Messages) for turns with the gateway's web tools.
 
+`MessagesDecoder` is the pure part (SSE records in, events out, no HTTP); `stream` runs a
+whole tool turn through `upstream.client.Gateway`.
+
 Promises: given the system blocks and messages `context.build_prompt` laid out and the server
 tools a conversation has switched on, one continuous stream of `events` values for the whole
 turn, however many times the gateway paused it (`pause_turn` is resent with every block
@@ -25,21 +28,22 @@ citation chips come from search results; pages read still show in the trail.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import AsyncIterator
 
-import httpx
-
-from upstream import chat
 from config import Settings
 from events import (
     CitationFound, Event, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta,
-    UsageReport, Warning,
+    TurnWarning, UsageReport,
 )
 from failures import UpstreamError, classify_finish, classify_stream_error
+from upstream import chat
+from upstream.client import Gateway
 from upstream.sse import SSERecord
 
+PATH = "/v1/messages"
 ANTHROPIC_VERSION = "2023-06-01"
 # The first web fetch version sat behind a beta flag; later versions need none (PROTOCOLS.md B).
 BETA_FLAGS = {"web_fetch_20250910": "web-fetch-2025-09-10"}
@@ -57,7 +61,7 @@ class ToolsRejected(Exception):
         self.failure = failure
 
     @property
-    def warning(self) -> Warning:
+    def warning(self) -> TurnWarning:
         return dropped_warning(self.names, self.failure)
 
 
@@ -113,14 +117,14 @@ def rejected_tools(failure: UpstreamError, tools: list[dict]) -> list[dict]:
     ]
 
 
-def dropped_warning(names: list[str], failure: UpstreamError) -> Warning:
+def dropped_warning(names: list[str], failure: UpstreamError) -> TurnWarning:
     what = " and ".join(TOOL_LABELS[n] for n in names)
     reason = failure.message if len(failure.message) <= 200 else failure.message[:199] + "…"
-    return Warning("tool_dropped",
+    return TurnWarning("tool_dropped",
                    f"The gateway rejected {what} ({reason}); this turn is answered without it.")
 
 
-class Decoder:
+class MessagesDecoder:
     """One Messages response: SSE records in, events out, blocks kept verbatim for a resend.
 
     `tool_inputs` (server tool id -> input) is shared across a turn's continuations, so a
@@ -132,7 +136,7 @@ class Decoder:
         self.usage: dict = {}
         self.stop_reason: str | None = None
         self.stop_detail = ""
-        self.stopped = False
+        self.finished = False
         self._blocks: dict[int, dict] = {}
         self._partial_json: dict[int, str] = {}
 
@@ -146,43 +150,52 @@ class Decoder:
         try:
             obj = json.loads(record.data)
         except ValueError:
-            raise UpstreamError("upstream", "The gateway sent a malformed stream event.") from None
+            raise malformed("not JSON") from None
         if not isinstance(obj, dict):
-            raise UpstreamError("upstream", "The gateway sent a malformed stream event.")
+            raise malformed("not a JSON object")
         kind = obj.get("type") or record.event
         # `event: error`, and older LiteLLM proxies' bare `data: {"error": ...}` with no event line.
         if record.event == "error" or kind == "error" or obj.get("error"):
             raise classify_stream_error(obj)
         match kind:
             case "message_start":
-                self.usage = _merge(self.usage, (obj.get("message") or {}).get("usage") or {})
+                message = _member(obj, "message", dict, kind)
+                self.usage = _merge(self.usage, _member(message, "usage", dict, "message"))
             case "content_block_start":
-                return self._start(obj.get("index", 0), copy.deepcopy(obj.get("content_block") or {}))
+                return self._start(_index(obj), copy.deepcopy(_member(obj, "content_block", dict, kind)))
             case "content_block_delta":
-                return self._delta(obj.get("index", 0), obj.get("delta") or {})
+                return self._delta(_index(obj), _member(obj, "delta", dict, kind))
             case "content_block_stop":
-                return self._stop(obj.get("index", 0))
+                return self._stop(_index(obj))
             case "message_delta":
-                delta = obj.get("delta") or {}
-                self.stop_reason = delta.get("stop_reason") or self.stop_reason
+                delta = _member(obj, "delta", dict, kind)
+                self.stop_reason = _member(delta, "stop_reason", str, "delta") or self.stop_reason
                 details = delta.get("stop_details") or {}
                 if isinstance(details, dict):
                     self.stop_detail = str(details.get("explanation") or details.get("category") or "")
                 # Cumulative counts: later values replace earlier ones.
-                self.usage = _merge(self.usage, obj.get("usage") or {})
+                self.usage = _merge(self.usage, _member(obj, "usage", dict, kind))
             case "message_stop":
-                self.stopped = True
+                self.finished = True
         return []
+
+    def end(self) -> list[Event]:
+        """This response's usage; the turn's finish is decided across continuations by `stream`."""
+        if not self.finished:
+            raise UpstreamError("upstream", "The gateway's stream ended before the reply was finished.")
+        return [UsageReport(self.usage)] if self.usage else []
 
     def _start(self, index: int, block: dict) -> list[Event]:
         self._blocks[index] = block
         match block.get("type"):
             case "text":
                 # Gateways that do not stream a block may put all of it in the start event.
-                events: list[Event] = [TextDelta(block["text"])] if block.get("text") else []
-                return events + [c for c in map(_citation, block.get("citations") or []) if c]
+                text = _member(block, "text", str, "text block")
+                events: list[Event] = [TextDelta(text)] if text else []
+                return events + [c for c in map(_citation, _member(block, "citations", list, "text block")) if c]
             case "thinking":
-                return [ReasoningDelta(block["thinking"])] if block.get("thinking") else []
+                thinking = _member(block, "thinking", str, "thinking block")
+                return [ReasoningDelta(thinking)] if thinking else []
             case "server_tool_use" | "tool_use":
                 self._partial_json[index] = ""
             case "web_search_tool_result":
@@ -195,15 +208,18 @@ class Decoder:
         block = self._blocks.setdefault(index, {})
         match delta.get("type"):
             case "text_delta":
-                block["text"] = block.get("text", "") + delta.get("text", "")
-                return [TextDelta(delta["text"])] if delta.get("text") else []
+                text = _member(delta, "text", str, "text_delta")
+                block["text"] = (block.get("text") or "") + text
+                return [TextDelta(text)] if text else []
             case "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + delta.get("thinking", "")
-                return [ReasoningDelta(delta["thinking"])] if delta.get("thinking") else []
+                thinking = _member(delta, "thinking", str, "thinking_delta")
+                block["thinking"] = (block.get("thinking") or "") + thinking
+                return [ReasoningDelta(thinking)] if thinking else []
             case "signature_delta":
-                block["signature"] = (block.get("signature") or "") + delta.get("signature", "")
+                block["signature"] = (block.get("signature") or "") + _member(delta, "signature", str, "signature_delta")
             case "input_json_delta":
-                self._partial_json[index] = self._partial_json.get(index, "") + delta.get("partial_json", "")
+                self._partial_json[index] = self._partial_json.get(index, "") + _member(
+                    delta, "partial_json", str, "input_json_delta")
             case "citations_delta":
                 citation = delta.get("citation") or {}
                 block["citations"] = [*(block.get("citations") or []), citation]
@@ -253,6 +269,30 @@ class Decoder:
         return FetchDone(asked, None, False, str(content.get("error_code") or "unavailable"))
 
 
+def malformed(what: str) -> UpstreamError:
+    return UpstreamError("upstream", f"The gateway sent a malformed stream event: {what}.")
+
+
+_EMPTY = {dict: dict, list: list, str: str}
+
+
+def _member(obj: dict, key: str, kind: type, where: str):
+    """`obj[key]` when it has the type the format says (absent or null: an empty one); else a named failure."""
+    value = obj.get(key)
+    if value is None:
+        return _EMPTY[kind]()
+    if not isinstance(value, kind):
+        raise malformed(f"{where}.{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _index(obj: dict) -> int:
+    index = obj.get("index", 0)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise malformed(f"index is {type(index).__name__}, not int")
+    return index
+
+
 def _citation(citation: object) -> CitationFound | None:
     """A citation the page can link (search result locations carry the URL)."""
     if isinstance(citation, dict) and isinstance(citation.get("url"), str):
@@ -268,16 +308,19 @@ def _merge(old: dict, new: dict) -> dict:
     return out
 
 
-async def stream(client: httpx.AsyncClient, url: str, *, model: str, system: list[dict],
-                 messages: list[dict], tools: list[dict], api_key: str | None, max_tokens: int,
-                 pause_turn_max: int) -> AsyncIterator[Event]:
+async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: list[dict],
+                 tools: list[dict], max_tokens: int, pause_turn_max: int) -> AsyncIterator[Event]:
     """Events of one tool turn across its continuations, ending with `Finished`, or an error."""
     received: list[dict] = []
     tool_inputs: dict[str, dict] = {}
     for continuation in range(pause_turn_max + 1):
+        decoder = MessagesDecoder(tool_inputs)
         body = build_body(model, system, messages, tools, max_tokens=max_tokens, received=received)
+        events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
         try:
-            response = await chat.open_stream(client, url, body, request_headers(api_key, tools))
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
         except UpstreamError as failure:
             # Only the first request may drop a tool: a continuation must resend what was run.
             dropped = rejected_tools(failure, tools) if continuation == 0 else []
@@ -288,30 +331,21 @@ async def stream(client: httpx.AsyncClient, url: str, *, model: str, system: lis
                 raise ToolsRejected([t["name"] for t in dropped], failure) from failure
             yield dropped_warning([t["name"] for t in dropped], failure)
             body = build_body(model, system, messages, tools, max_tokens=max_tokens)
-            response = await chat.open_stream(client, url, body, request_headers(api_key, tools))
-        decoder = Decoder(tool_inputs)
-        try:
-            stream_records = chat.records(response)
-            async for record in stream_records:
-                for event in decoder.feed(record):
-                    yield event
-                if decoder.stopped:
-                    await chat.drain(stream_records)
-                    break
-        finally:
-            await chat.close_quietly(response)
-        if not decoder.stopped:
-            raise UpstreamError("upstream", "The gateway's stream ended before the reply was finished.")
-        if decoder.usage:
-            yield UsageReport(decoder.usage)
+            events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
+            first = None
+        async with contextlib.aclosing(events):
+            if first is not None:
+                yield first
+            async for event in events:
+                yield event
         # Messages rejects an empty text block, so one that only opened a citation is not resent.
         received += [b for b in decoder.blocks if not (b.get("type") == "text" and not b.get("text"))]
         if decoder.stop_reason != "pause_turn":
             break
     else:
-        yield Warning("pause_turn_limit",
-                      f"The gateway kept pausing this turn after {pause_turn_max} continuations "
-                      "(PAUSE_TURN_MAX), so the reply was cut here. Ask it to go on.")
+        yield TurnWarning("pause_turn_limit",
+                          f"The gateway kept pausing this turn after {pause_turn_max} continuations "
+                          "(PAUSE_TURN_MAX), so the reply was cut here. Ask it to go on.")
     reason = decoder.stop_reason or "end_turn"
     yield Finished(reason)
     if (failure := classify_finish(reason, decoder.stop_detail)) is not None:

@@ -2,7 +2,9 @@
 
 Network reads split lines and multi-byte characters anywhere; the decoder keeps the partial
 line and the partial character until the rest arrives. It yields whole records and knows
-nothing of what their `data` means.
+nothing of what their `data` means. A record is dispatched only by its blank line: whatever is
+pending when the body ends is discarded, as the specification says (a stream cut mid-record
+must not pass for a whole one).
 """
 
 from __future__ import annotations
@@ -37,14 +39,6 @@ class SSEDecoder:
             record = self._line(line)
             if record is not None:
                 records.append(record)
-        return records
-
-    def close(self) -> list[SSERecord]:
-        """Flush at end of stream; a last record without its blank line still counts."""
-        self._buffer += self._text.decode(b"", final=True)
-        records = self.feed(b"\n") if self._buffer else []
-        if self._data:
-            records.append(self._dispatch())
         return records
 
     def _line(self, line: str) -> SSERecord | None:

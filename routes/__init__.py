@@ -1,0 +1,1 @@
+"""The HTTP routes, one APIRouter per resource (API.md); `server.create_app` includes them all."""

@@ -1,0 +1,52 @@
+"""The page itself, the health check and the access-token login."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from config import ROOT
+from deps import StateDep
+from schemas import Health, Login
+from security import TOKEN_COOKIE, login_cookie, token_matches
+
+STATIC = ROOT / "static"
+
+router = APIRouter()
+
+
+class RevalidatedStatic(StaticFiles):
+    """The page's modules, revalidated on every load so an upgrade never mixes old and new files."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
+@router.get("/", include_in_schema=False)
+async def page() -> Response:
+    index = STATIC / "index.html"
+    if not index.exists():
+        return JSONResponse({"detail": "the page is not built"}, status_code=404)
+    return FileResponse(index, headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz(state: StateDep) -> dict:
+    configured = state.settings.gateway_configured
+    return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo"}
+
+
+@router.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})
+async def login(body: Login, state: StateDep) -> Response:
+    """Trade ACCESS_TOKEN for an HttpOnly, SameSite=Strict cookie the page sends from then on."""
+    token = state.settings.access_token
+    if token is None:
+        return Response(status_code=204)  # nothing to log in to
+    if not token_matches(body.token, token):
+        return JSONResponse({"detail": "wrong access token"}, status_code=401)
+    response = Response(status_code=204)
+    response.set_cookie(TOKEN_COOKIE, login_cookie(token), httponly=True, samesite="strict", path="/")
+    return response

@@ -1,0 +1,92 @@
+"""The edge where a turn's typed events become the page's SSE frames (API.md's turn stream).
+
+`encode` is the only place that knows event names and payload shapes; `TurnResponse` runs a
+turn's events through it. Nothing here knows the pipeline or a wire format upstream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import orjson
+from sse_starlette import EventSourceResponse
+
+from events import (
+    Compressed, FetchDone, ReasoningDelta, SearchResults, SearchStarted, TextDelta, TurnDone, TurnEvent,
+    TurnFailed, TurnStarted, TurnWarning,
+)
+
+
+def frame(name: str, data: dict) -> bytes:
+    """One SSE record, encoded once here (sse-starlette passes bytes through untouched).
+
+    Compact JSON holds no line break, so `data` is always one line.
+    """
+    return b"event: " + name.encode() + b"\r\ndata: " + orjson.dumps(data) + b"\r\n\r\n"
+
+
+def payload(event: TurnEvent) -> dict | None:
+    """The `data` of the page's event for one turn event; None for events the page never sees."""
+    match event:
+        case TextDelta(text=text) | ReasoningDelta(text=text):
+            return {"text": text}
+        case SearchStarted(query=query):
+            return {"query": query, "results": None}
+        case SearchResults(query=query, results=results, error_code=error_code):
+            data = {"query": query, "results": results}
+            if error_code:
+                data["error"] = error_code
+            return data
+        case FetchDone(url=url, title=title, ok=ok, error_code=error_code):
+            data = {"url": url, "title": title, "ok": ok}
+            if error_code:
+                data["error"] = error_code
+            return data
+        case TurnWarning(code=code, message=message):
+            return {"code": code, "message": message}
+        case TurnStarted(assistant_message_id=assistant, model=model, user_message_id=user):
+            data = {"assistant_message_id": assistant, "model": model}
+            return {"user_message_id": user, **data} if user else data
+        case Compressed(data=data):
+            return data
+        case TurnFailed():
+            data = {"kind": event.kind, "message": event.message, "retryable": event.retryable,
+                    "retry_after": event.retry_after, "partial": event.partial}
+            if event.draft is not None:
+                data["draft"] = event.draft
+            return data
+        case TurnDone():
+            return {"assistant_message_id": event.assistant_message_id, "usage": event.usage,
+                    "citations": event.citations, "status": event.status}
+    return None
+
+
+NAMES = {"delta": "delta", "reasoning": "reasoning", "search_started": "search", "search_results": "search",
+         "fetch": "fetch", "warning": "warning", "start": "start", "compression": "compression",
+         "error": "error", "done": "done"}
+
+
+def encode(event: TurnEvent) -> bytes | None:
+    """The SSE frame the page sees for one event, if any."""
+    data = payload(event)
+    return None if data is None else frame(NAMES[event.type], data)
+
+
+async def frames(events: AsyncIterator[TurnEvent]) -> AsyncIterator[bytes]:
+    async for event in events:
+        if (out := encode(event)) is not None:
+            yield out
+
+
+class TurnResponse(EventSourceResponse):
+    """A turn's SSE response; `release` runs however it ends, even if the client left before it started."""
+
+    def __init__(self, events: AsyncIterator[TurnEvent], release: Callable[[], object]) -> None:
+        super().__init__(frames(events), headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
