@@ -1,6 +1,6 @@
 """Request bodies, one schema per direction, with their limits declared on the fields.
 
-Responses are the stored JSON documents themselves (API.md's Conversation), so only inputs
+Responses are the stored JSON documents themselves (docs/API.md's Conversation), so only inputs
 need schemas here.
 """
 

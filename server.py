@@ -1,4 +1,4 @@
-"""HTTP routes: the contract of API.md on top of the store and the turn pipeline.
+"""HTTP routes: the contract of docs/API.md on top of the store and the turn pipeline.
 
 Routes validate, translate domain errors into HTTP answers at one boundary, and hand turns to
 `turns.Turns`. They never see a wire format or lay out a prompt.
