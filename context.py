@@ -391,7 +391,7 @@ class Compression:
         return turns
 
     def event(self, facts_added: int) -> dict:
-        """The `compression` event's data (API.md)."""
+        """The `compression` event's data (docs/API.md)."""
         return {"folded": 0 if self.failed else len(self.history), "summary_tokens": self.summary_tokens,
                 "facts_added": facts_added, "failed": self.failed,
                 "dropped": len(self.history) if self.failed else 0}

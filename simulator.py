@@ -2,7 +2,7 @@
 
 `GatewaySimulator` serves `POST /v1/chat/completions` (OpenAI-compatible SSE, with the usage
 dialects of OpenAI, OpenRouter, LiteLLM, DeepSeek and vLLM) and `POST /v1/messages` (Anthropic
-SSE with web search/fetch blocks and citations) on loopback, in the shapes PROTOCOLS.md records,
+SSE with web search/fetch blocks and citations) on loopback, in the shapes docs/PROTOCOLS.md records,
 pre-stream HTTP errors and mid-stream error records included. Tests queue `Script`s; every
 request on either endpoint pops the next one, and the simulator records what it was sent, when
 it answered, and when the client hung up. Prompt-cache reads and writes follow an
@@ -246,7 +246,7 @@ def _anthropic_error(status: int, kind: str, message: str, *, retry: bool,
 
 
 class errors:
-    """Realistic pre-stream error replies, each a `Script`, with bodies and headers as PROTOCOLS.md shows."""
+    """Realistic pre-stream error replies, each a `Script`, with bodies and headers as docs/PROTOCOLS.md shows."""
 
     @staticmethod
     def openai_context_overflow(limit: int = 128000, requested: int = 131072) -> Script:

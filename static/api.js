@@ -1,4 +1,4 @@
-// The HTTP contract (shared/API.md) as functions. Errors become ApiError carrying the server's
+// The HTTP contract (docs/API.md) as functions. Errors become ApiError carrying the server's
 // `detail` as a readable message; turn streams are returned as Responses for sse.js to read.
 
 export class ApiError extends Error {

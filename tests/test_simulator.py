@@ -1,4 +1,4 @@
-"""The gateway simulator speaks both wire formats over real loopback HTTP, as PROTOCOLS.md shows them."""
+"""The gateway simulator speaks both wire formats over real loopback HTTP, as docs/PROTOCOLS.md shows them."""
 
 from __future__ import annotations
 

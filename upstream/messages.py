@@ -45,7 +45,7 @@ from upstream.sse import SSERecord
 
 PATH = "/v1/messages"
 ANTHROPIC_VERSION = "2023-06-01"
-# The first web fetch version sat behind a beta flag; later versions need none (PROTOCOLS.md B).
+# The first web fetch version sat behind a beta flag; later versions need none (docs/PROTOCOLS.md, section B).
 BETA_FLAGS = {"web_fetch_20250910": "web-fetch-2025-09-10"}
 TOOL_LABELS = {"web_search": "web search", "web_fetch": "web fetch"}
 # Statuses with which a gateway turns down a request it will not run as declared.
