@@ -1,1 +1,1 @@
-"""The HTTP routes, one APIRouter per resource (API.md); `server.create_app` includes them all."""
+"""The HTTP routes, one APIRouter per resource (docs/API.md); `server.create_app` includes them all."""
