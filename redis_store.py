@@ -1,0 +1,565 @@
+"""The store protocol (storage.Store / OwnerStore) on Redis, for any number of server processes.
+
+Layout, all keys under one prefix (`chat:` by default):
+- `conv:<id>` a hash: `head` (the conversation's JSON without its message lists, which keep their
+  place as nulls so the key order survives), `lists` (which fields are lists), `owner`, `version`
+  (bumped by every write), `summary` (the list entry, so listing never loads messages), `nonce`
+  (the last write's id, so a write retried after a lost reply is recognised, not applied twice).
+- `conv:<id>:messages`, `conv:<id>:archive`: one JSON document per item. A write whose old items
+  are a prefix of the new ones only RPUSHes the new ones; anything else rewrites the list.
+- `owner:<owner>:conversations` a sorted set of ids scored by update time; ids whose hash expired
+  are dropped when the list meets them.
+- `lock:<id>` the turn lock (`<fence>:<token>`, SET NX PX, renewed by the running turn) and
+  `fence:<id>` a counter bumped by every lock and unlock: a write carrying a lock whose fence is
+  not the current one is refused (LockLost), so a paused process never overwrites a newer turn.
+- `memory:<owner>`, `models`, and `kv:<key>` (small JSON values for other modules: accounts, sessions).
+
+Every write is one Lua script: checked against the version it was computed from and applied whole,
+or not at all. Within one process the writes to one conversation are queued in the order they are
+made; across processes a write computed from an older version is retried on the newer one, so a
+`change` may run more than once and must only depend on the conversation it is given.
+Reads are one round trip: the script sends the lists only when the cached version is stale.
+
+Redis unreachable (or still loading its data after a restart) raises StoreUnavailable; the client
+reconnects by itself once it answers again. Durability is Redis's: run it with `appendonly yes`
+and `appendfsync everysec` (a write is in the AOF before Redis acknowledges it, so a killed Redis
+loses nothing acknowledged; a lost machine loses at most the last second).
+
+Scripts touch keys they derive from the prefix, so this needs one Redis (or a primary), not a Cluster.
+This module knows Redis and the store protocol, not turns, routes or wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from storage import (LOCAL_OWNER, SEALED_LISTS, Change, FileStore, LockLost, NotFound, TurnBusy, TurnLock,
+                     _check_owner, new_id, now_iso, summary_of, upgrade, valid_id)
+
+log = logging.getLogger("chat.redis_store")
+
+LISTS = tuple(SEALED_LISTS)  # the fields that only grow at their end: stored as Redis lists
+KV_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+# How often a write computed from a version another process replaced meanwhile is recomputed.
+MAX_ATTEMPTS = 50
+
+# Script answers below zero.
+CONFLICT, GONE, STALE_LOCK, BUSY = -1, -2, -3, -4
+
+
+class StoreUnavailable(Exception):
+    """The store's backend cannot be reached; nothing was changed by the failed call."""
+
+
+@dataclass(frozen=True, slots=True)
+class FencedTurnLock(TurnLock):
+    """A turn lock that also carries its acquisition's fence number."""
+
+    fence: int = 0
+
+    @property
+    def value(self) -> str:
+        return f"{self.fence}:{self.token}"
+
+
+# KEYS: conv hash, messages, archive, owner index, fence. ARGV: expected version ("" = any, for
+# create), fence ("" = no lock), nonce, owner, head, summary, score, ttl ms ("0" = none), lists,
+# conv id, then per list: mode (keep | append | replace | absent), count, the items.
+WRITE = """
+local h = KEYS[1]
+if ARGV[1] ~= '' then
+  local cur = redis.call('HMGET', h, 'version', 'nonce', 'owner')
+  if not cur[1] or cur[3] ~= ARGV[4] then return -2 end
+  if cur[1] ~= ARGV[1] then
+    if cur[2] == ARGV[3] then return tonumber(cur[1]) end
+    return -1
+  end
+end
+if ARGV[2] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[2] then return -3 end
+local version = redis.call('HINCRBY', h, 'version', 1)
+redis.call('HSET', h, 'head', ARGV[5], 'owner', ARGV[4], 'summary', ARGV[6], 'nonce', ARGV[3], 'lists', ARGV[9])
+local i = 11
+for k = 2, 3 do
+  local mode, n = ARGV[i], tonumber(ARGV[i + 1])
+  i = i + 2
+  if mode == 'replace' or mode == 'absent' then redis.call('DEL', KEYS[k]) end
+  if mode == 'replace' or mode == 'append' then
+    for s = i, i + n - 1, 1000 do
+      redis.call('RPUSH', KEYS[k], unpack(ARGV, s, math.min(s + 999, i + n - 1)))
+    end
+  end
+  i = i + n
+end
+redis.call('ZADD', KEYS[4], ARGV[7], ARGV[10])
+for k = 1, 3 do
+  if ARGV[8] ~= '0' then redis.call('PEXPIRE', KEYS[k], ARGV[8]) else redis.call('PERSIST', KEYS[k]) end
+end
+if ARGV[8] ~= '0' then redis.call('PEXPIRE', KEYS[5], ARGV[8]) end
+return version
+"""
+
+# KEYS: conv hash, messages, archive, owner index. ARGV: cached version, owner ("" = any), conv id.
+# Answers false (gone or another owner's), {version} (the cache is current) or the whole conversation.
+LOAD = """
+local cur = redis.call('HMGET', KEYS[1], 'version', 'owner', 'head', 'lists')
+if not cur[1] then
+  if KEYS[4] ~= '' then redis.call('ZREM', KEYS[4], ARGV[3]) end
+  return false
+end
+if ARGV[2] ~= '' and cur[2] ~= ARGV[2] then return false end
+if cur[1] == ARGV[1] then return {cur[1]} end
+return {cur[1], cur[3], cur[4], redis.call('LRANGE', KEYS[2], 0, -1), redis.call('LRANGE', KEYS[3], 0, -1)}
+"""
+
+# KEYS: owner index. ARGV: conversation key prefix. Newest first; expired ids are dropped.
+LIST = """
+local out = {}
+for _, id in ipairs(redis.call('ZREVRANGE', KEYS[1], 0, -1)) do
+  local s = redis.call('HGET', ARGV[1] .. id, 'summary')
+  if s then out[#out + 1] = s else redis.call('ZREM', KEYS[1], id) end
+end
+return out
+"""
+
+# KEYS: conv hash, messages, archive, fence, lock, owner index. ARGV: owner, conv id.
+DELETE = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -2 end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('ZREM', KEYS[6], ARGV[2])
+return 1
+"""
+
+# KEYS: conv hash, lock, fence. ARGV: owner, token, ttl ms. Answers the new fence.
+LOCK = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -2 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return -4 end
+local fence = redis.call('INCR', KEYS[3])
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
+redis.call('SET', KEYS[2], fence .. ':' .. ARGV[2], 'PX', ARGV[3])
+return fence
+"""
+
+# KEYS: lock, fence. ARGV: the lock's value. Bumping the fence makes the released lock stale.
+UNLOCK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCR', KEYS[2]) end
+return 1
+"""
+
+# KEYS: lock. ARGV: the lock's value, ttl ms.
+RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+
+def _score(iso: str) -> float:
+    """An `updated_at` as milliseconds since the epoch (the list's order)."""
+    try:
+        return datetime.fromisoformat(iso).timestamp() * 1000
+    except (TypeError, ValueError):
+        return time.time() * 1000
+
+
+def _json_list(raw: list[bytes]) -> list:
+    return orjson.loads(b"[" + b",".join(raw) + b"]")
+
+
+@dataclass(slots=True)
+class _Cached:
+    """One conversation as this process last read or wrote it, with its lists' stored items."""
+
+    version: int
+    conv: dict
+    raw: dict[str, list[bytes] | None]  # list field -> its items' JSON; None: not a list
+
+
+def _plan(old: list[bytes] | None, items: object) -> tuple[str, list[bytes] | None, list[bytes]]:
+    """How to store one list field: (mode, all its items' JSON, the items to push)."""
+    if not isinstance(items, list):
+        return ("keep" if old is None else "absent"), None, []
+    new = [orjson.dumps(item) for item in items]
+    if old is not None and len(new) >= len(old) and new[:len(old)] == old:
+        pushed = new[len(old):]
+        return ("append" if pushed else "keep"), new, pushed
+    return "replace", new, new
+
+
+class RedisStore:
+    """Everything in one Redis, shared by every process that points at it.
+
+    `ttl_seconds` (CONVERSATION_TTL_DAYS × 86400): a conversation not written that long expires.
+    `lock_ttl_ms`: a turn lock not renewed (`renew_turn`) that long is free again.
+    """
+
+    def __init__(self, url: str, *, prefix: str = "chat:", ttl_seconds: float | None = None,
+                 lock_ttl_ms: int = 30_000) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.ttl_ms = int(ttl_seconds * 1000) if ttl_seconds else 0
+        self.lock_ttl_ms = lock_ttl_ms
+        parts = urlsplit(url)
+        # Never echo a password into an error message or a log.
+        self.where = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        self.redis = aioredis.Redis.from_url(
+            url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=0,
+            # A pooled connection Redis closed (a restart) fails once; one quick retry on a fresh one.
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        self._write = self.redis.register_script(WRITE)
+        self._load = self.redis.register_script(LOAD)
+        self._list = self.redis.register_script(LIST)
+        self._delete = self.redis.register_script(DELETE)
+        self._lock = self.redis.register_script(LOCK)
+        self._unlock = self.redis.register_script(UNLOCK)
+        self._renew = self.redis.register_script(RENEW)
+        self._cache: dict[str, _Cached] = {}
+        # One queue per conversation being written: its writes leave this process in call order.
+        self._queues: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    # Keys.
+    def conv_key(self, conv_id: str) -> str:
+        return f"{self.prefix}conv:{conv_id}"
+
+    def _conv_keys(self, conv_id: str) -> list[str]:
+        key = self.conv_key(conv_id)
+        return [key, f"{key}:messages", f"{key}:archive"]
+
+    def index_key(self, owner: str) -> str:
+        return f"{self.prefix}owner:{owner}:conversations"
+
+    def fence_key(self, conv_id: str) -> str:
+        return f"{self.prefix}fence:{conv_id}"
+
+    def lock_key(self, conv_id: str) -> str:
+        return f"{self.prefix}lock:{conv_id}"
+
+    def memory_key(self, owner: str) -> str:
+        return f"{self.prefix}memory:{owner}"
+
+    @contextmanager
+    def reachable(self):
+        """Turn the client's connection failures into the domain's StoreUnavailable."""
+        try:
+            yield
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise StoreUnavailable(f"Redis at {self.where} is unreachable ({exc})") from None
+
+    def for_owner(self, owner: str) -> RedisOwnerStore:
+        return RedisOwnerStore(self, _check_owner(owner))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> None:
+        """Raise StoreUnavailable unless Redis answers (a readiness check at startup)."""
+        with self.reachable():
+            await self.redis.ping()
+
+    async def flush(self) -> None:
+        """Redis has every acknowledged write; wait for its fsync where it can say (Redis ≥ 7.2)."""
+        with self.reachable():
+            try:
+                await self.redis.execute_command("WAITAOF", 1, 0, 1000)
+            except ResponseError:
+                pass  # older Redis or AOF off: `appendfsync everysec` bounds the loss to a second
+
+    # Conversations, whoever owns them.
+    async def load(self, conv_id: str, owner: str = "") -> dict:
+        """The conversation (owner "": whoever owns it); NotFound for gone, foreign or invalid ids."""
+        return (await self._fresh(conv_id, owner)).conv
+
+    async def _fresh(self, conv_id: str, owner: str) -> _Cached:
+        if not valid_id(conv_id):
+            raise NotFound(conv_id)
+        cached = self._cache.get(conv_id)
+        index = self.index_key(owner) if owner else ""
+        with self.reachable():
+            found = await self._load(keys=[*self._conv_keys(conv_id), index],
+                                     args=[cached.version if cached else "", owner, conv_id])
+        if not found:
+            self._cache.pop(conv_id, None)
+            raise NotFound(conv_id)
+        if len(found) == 1 and cached is not None:
+            return cached
+        version, head, lists, *items = found
+        conv, lists = orjson.loads(head), orjson.loads(lists)
+        raw: dict[str, list[bytes] | None] = dict.fromkeys(LISTS)
+        for name, stored in zip(LISTS, items):
+            if name in lists:
+                raw[name] = stored
+                conv[name] = _json_list(stored)
+        entry = _Cached(int(version), conv, raw)
+        self._cache[conv_id] = entry
+        return entry
+
+    async def conversation_ids(self) -> AsyncIterator[str]:
+        """Every stored conversation's id (SCAN: for tools such as the migration, not for requests)."""
+        with self.reachable():
+            async for key in self.redis.scan_iter(match=f"{self.prefix}conv:*", count=500):
+                conv_id = key.decode()[len(self.prefix) + len("conv:"):]
+                if valid_id(conv_id):
+                    yield conv_id
+
+    async def owners(self) -> set[str]:
+        """Every owner with a conversation index or a memory (for the migration)."""
+        found = set()
+        with self.reachable():
+            for pattern, cut in ((f"{self.prefix}owner:*:conversations", -len(":conversations")),
+                                 (f"{self.prefix}memory:*", None)):
+                start = len(pattern.split("*")[0])
+                async for key in self.redis.scan_iter(match=pattern, count=500):
+                    found.add(key.decode()[start:cut])
+        return found
+
+    async def put(self, conv: dict, *, expected: _Cached | None = None, fence: str = "",
+                  nonce: str | None = None) -> _Cached:
+        """Store a whole conversation (a new one, or the next version of `expected`)."""
+        conv_id, owner = conv["id"], conv["owner"]
+        head = {key: (None if key in LISTS and isinstance(value, list) else value) for key, value in conv.items()}
+        lists = [name for name in LISTS if isinstance(conv.get(name), list)]
+        args: list = [expected.version if expected else "", fence, nonce or new_id(), owner, orjson.dumps(head),
+                      orjson.dumps(summary_of(conv)), _score(conv["updated_at"]), self.ttl_ms,
+                      orjson.dumps(lists), conv_id]
+        raw: dict[str, list[bytes] | None] = {}
+        for name in LISTS:
+            old = expected.raw[name] if expected else None
+            mode, raw[name], pushed = _plan(old, conv.get(name))
+            if expected is None and mode == "keep":
+                mode = "absent"  # a create replaces whatever an earlier copy of this id left
+            args += [mode, len(pushed), *pushed]
+        keys = [*self._conv_keys(conv_id), self.index_key(owner), self.fence_key(conv_id)]
+        with self.reachable():
+            # Shielded: a caller cancelled meanwhile (Stop) must not leave the write half-sent.
+            version = await asyncio.shield(self._write(keys=keys, args=args))
+        if version == GONE:
+            raise NotFound(conv_id)
+        if version == STALE_LOCK:
+            raise LockLost(conv_id)
+        if version == CONFLICT:
+            raise _Conflict
+        entry = _Cached(int(version), conv, raw)
+        self._cache[conv_id] = entry
+        return entry
+
+    def _queue(self, conv_id: str) -> asyncio.Lock:
+        queue = self._queues.get(conv_id)
+        if queue is None:
+            queue = self._queues[conv_id] = asyncio.Lock()
+        return queue
+
+    async def update(self, conv_id: str, owner: str, change: Change, lock: TurnLock | None) -> dict:
+        if lock is not None and (not isinstance(lock, FencedTurnLock) or lock.conv_id != conv_id
+                                 or lock.owner != owner):
+            raise LockLost(conv_id)
+        fence = str(lock.fence) if lock is not None else ""
+        nonce = new_id()  # the same for every attempt: a write that landed is recognised on retry
+        async with self._queue(conv_id):
+            entry = self._cache.get(conv_id)
+            verified = False  # the cached copy may predate another process's write
+            for _ in range(MAX_ATTEMPTS):
+                if entry is None or entry.conv.get("owner") != owner:
+                    entry, verified = await self._fresh(conv_id, owner), True
+                conv = entry.conv
+                try:
+                    change(conv)
+                    conv["updated_at"] = now_iso()
+                except BaseException:
+                    self._cache.pop(conv_id, None)  # memory may hold half the change: read it again
+                    if verified:
+                        raise
+                    entry = None  # it may have failed only because this copy was stale
+                    continue
+                try:
+                    return (await self.put(conv, expected=entry, fence=fence, nonce=nonce)).conv
+                except _Conflict:
+                    self._cache.pop(conv_id, None)
+                    entry = None
+                except BaseException:
+                    self._cache.pop(conv_id, None)
+                    raise
+        raise StoreUnavailable(f"Redis at {self.where}: conversation {conv_id} changed {MAX_ATTEMPTS} times "
+                               "under this write")
+
+    async def read_custom_models(self) -> list[dict]:
+        with self.reachable():
+            raw = await self.redis.get(f"{self.prefix}models")
+        try:
+            data = orjson.loads(raw) if raw else []
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, list):
+            log.warning("ignoring damaged custom models in Redis")
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
+
+    async def write_custom_models(self, models: list[dict]) -> None:
+        with self.reachable():
+            await self.redis.set(f"{self.prefix}models", orjson.dumps(models))
+
+    # Small JSON values for other modules (accounts, sessions): the seam they build on.
+    def _kv_key(self, key: str) -> str:
+        if not isinstance(key, str) or not KV_KEY.fullmatch(key):
+            raise ValueError(f"not a store key: {key!r}")
+        return f"{self.prefix}kv:{key}"
+
+    async def get_json(self, key: str) -> object | None:
+        """The value stored under `key`, or None."""
+        with self.reachable():
+            raw = await self.redis.get(self._kv_key(key))
+        return None if raw is None else orjson.loads(raw)
+
+    async def set_json(self, key: str, value: object, *, ttl_seconds: float | None = None,
+                       only_if_absent: bool = False) -> bool:
+        """Store `value`; with `only_if_absent`, False (and nothing stored) when the key exists."""
+        with self.reachable():
+            done = await self.redis.set(self._kv_key(key), orjson.dumps(value),
+                                        px=int(ttl_seconds * 1000) if ttl_seconds else None, nx=only_if_absent)
+        return bool(done)
+
+    async def delete_json(self, key: str) -> bool:
+        with self.reachable():
+            return bool(await self.redis.delete(self._kv_key(key)))
+
+    async def json_keys(self, prefix: str = "") -> list[str]:
+        """Every key starting with `prefix` (SCAN: for listing accounts, not per request)."""
+        if prefix:
+            self._kv_key(prefix)
+        start = len(f"{self.prefix}kv:")
+        with self.reachable():
+            return sorted([key.decode()[start:] async for key in
+                           self.redis.scan_iter(match=f"{self.prefix}kv:{prefix}*", count=500)])
+
+
+class _Conflict(Exception):
+    """Another process wrote the conversation since this write's version was read."""
+
+
+class RedisOwnerStore:
+    """One owner's view of a RedisStore: the owner is checked inside every script."""
+
+    def __init__(self, store: RedisStore, owner: str) -> None:
+        self.store = store
+        self.owner = owner
+
+    async def create(self, conv: dict) -> dict:
+        conv = upgrade({**conv, "owner": self.owner})
+        if not valid_id(conv.get("id", "")):
+            raise ValueError(f"not a conversation id: {conv.get('id')!r}")
+        return (await self.store.put(conv)).conv
+
+    async def get(self, conv_id: str) -> dict:
+        return await self.store.load(conv_id, self.owner)
+
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        return await self.store.update(conv_id, self.owner, change, lock)
+
+    async def update_soon(self, conv_id: str, change: Change, *,
+                          lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
+        """Once Redis has the write every process reads it, and it is as durable as Redis makes it."""
+        conv = await self.update(conv_id, change, lock=lock)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return conv, done
+
+    async def list(self) -> list[dict]:
+        """Newest first."""
+        with self.store.reachable():
+            found = await self.store._list(keys=[self.store.index_key(self.owner)],
+                                           args=[self.store.conv_key("")])
+        return [orjson.loads(s) for s in found]
+
+    async def delete(self, conv_id: str) -> None:
+        if not valid_id(conv_id):
+            raise NotFound(conv_id)
+        s = self.store
+        keys = [*s._conv_keys(conv_id), s.fence_key(conv_id), s.lock_key(conv_id), s.index_key(self.owner)]
+        with s.reachable():
+            done = await s._delete(keys=keys, args=[self.owner, conv_id])
+        s._cache.pop(conv_id, None)
+        if done == GONE:
+            raise NotFound(conv_id)
+
+    async def read_memory(self) -> str:
+        with self.store.reachable():
+            raw = await self.store.redis.get(self.store.memory_key(self.owner))
+        return "" if raw is None else raw.decode("utf-8", "replace")
+
+    async def write_memory(self, text: str) -> None:
+        with self.store.reachable():
+            await self.store.redis.set(self.store.memory_key(self.owner), text.encode("utf-8"))
+
+    async def lock_turn(self, conv_id: str) -> FencedTurnLock:
+        if not valid_id(conv_id):
+            raise NotFound(conv_id)
+        s = self.store
+        token = new_id()
+        with s.reachable():
+            fence = await s._lock(keys=[s.conv_key(conv_id), s.lock_key(conv_id), s.fence_key(conv_id)],
+                                  args=[self.owner, token, s.lock_ttl_ms])
+        if fence == GONE:
+            raise NotFound(conv_id)
+        if fence == BUSY:
+            raise TurnBusy(conv_id)
+        return FencedTurnLock(self.owner, conv_id, token, int(fence))
+
+    async def renew_turn(self, lock: TurnLock) -> bool:
+        """Extend a held lock by the lock expiry; False when it is no longer this turn's."""
+        if not isinstance(lock, FencedTurnLock):
+            return False
+        s = self.store
+        with s.reachable():
+            return bool(await s._renew(keys=[s.lock_key(lock.conv_id)], args=[lock.value, s.lock_ttl_ms]))
+
+    async def unlock_turn(self, lock: TurnLock) -> None:
+        if not isinstance(lock, FencedTurnLock):
+            return
+        s = self.store
+        with s.reachable():
+            await s._unlock(keys=[s.lock_key(lock.conv_id), s.fence_key(lock.conv_id)], args=[lock.value])
+
+    async def turn_locked(self, conv_id: str) -> bool:
+        if not valid_id(conv_id):
+            return False
+        with self.store.reachable():
+            return bool(await self.store.redis.exists(self.store.lock_key(conv_id)))
+
+
+async def expire_old(files: FileStore, days: float, *, now: datetime | None = None) -> list[str]:
+    """The file store's CONVERSATION_TTL_DAYS: delete conversations not updated for `days`; their ids."""
+    cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=days)
+    removed = []
+    for conv in files.load_all():
+        try:
+            updated = datetime.fromisoformat(conv["updated_at"])
+        except ValueError:
+            continue  # an unreadable date is not a reason to delete anything
+        if updated.tzinfo is None:
+            updated = updated.replace(tzinfo=timezone.utc)
+        if updated < cutoff:
+            await files.remove(conv["id"])
+            removed.append(conv["id"])
+    return removed
+
+
+__all__ = ["RedisStore", "RedisOwnerStore", "FencedTurnLock", "StoreUnavailable", "expire_old", "LOCAL_OWNER"]
