@@ -19,6 +19,12 @@ runs without awaiting and is therefore atomic within the event loop. Conversatio
 run in a worker thread (a long history is megabytes to fsync, and the event loop is serving
 every other stream meanwhile), one conversation's writes landing in the order they were made.
 
+The store is a protocol (`Store`, and `OwnerStore`, one person's view of it) so that the
+pipeline and the routes never see files: `FileStore` is the embedded implementation for one
+process. Every conversation belongs to an owner; an owner's view answers NotFound for another
+owner's id exactly as for an unknown one. Turn locks live here too, so that "a turn is running on
+this conversation" is a fact of the store, not of one process's memory.
+
 This module knows files and ids, not turns or wire formats.
 """
 
@@ -35,15 +41,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable, Protocol
 
 import anyio
 import orjson
 
 log = logging.getLogger("chat.storage")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+# The owner of everything while the server serves one person (AUTH=none).
+LOCAL_OWNER = "local"
+OWNER_PATTERN = re.compile(r"[a-z0-9_.-]{1,64}")
 SEGMENT_MESSAGES = 500
 SEAL_AFTER = 2 * SEGMENT_MESSAGES
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
@@ -62,6 +71,14 @@ class Damaged(Exception):
         super().__init__(f"{path.name}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class TurnBusy(Exception):
+    """A turn already holds this conversation's lock."""
+
+
+class LockLost(Exception):
+    """A write came from a turn whose lock is no longer the conversation's current one."""
 
 
 def new_id() -> str:
@@ -128,8 +145,14 @@ def _allow_earlier_messages(conv: dict) -> dict:
     return conv
 
 
+def _add_owner(conv: dict) -> dict:
+    """Version 3 names the conversation's owner; everything older was the one local person's."""
+    conv.setdefault("owner", LOCAL_OWNER)
+    return conv
+
+
 # Upgrades in order: MIGRATIONS[n] turns a version-n file into version n+1.
-MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned, _allow_earlier_messages]
+MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned, _allow_earlier_messages, _add_owner]
 
 
 def upgrade(conv: dict) -> dict:
@@ -144,7 +167,7 @@ def upgrade(conv: dict) -> dict:
 
 def check_shape(conv: dict) -> None:
     """The fields every route relies on have the right types; ValueError names the first that does not."""
-    for name in ("id", "title", "model", "created_at", "updated_at", "summary"):
+    for name in ("id", "owner", "title", "model", "created_at", "updated_at", "summary"):
         if not isinstance(conv.get(name), str):
             raise ValueError(f"{name} is not a string")
     if not isinstance(conv.get("settings"), dict) or not isinstance(conv.get("totals"), dict):
@@ -158,16 +181,17 @@ def check_shape(conv: dict) -> None:
             raise ValueError("messages holds an entry without a string id, role and content")
 
 
-def _write_and_stamp(path: Path, data: bytes) -> tuple[int, int]:
-    atomic_write(path, data)
-    stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size
-
-
-def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot) -> tuple[int, int]:
+def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
+                    before_write: Callable[[Path], None] | None = None) -> tuple[int, int]:
     for name, data in snapshot.segments:
+        if before_write is not None:
+            before_write(earlier / name)
         atomic_write(earlier / name, data)
-    stamp = _write_and_stamp(path, snapshot.data)
+    if before_write is not None:
+        before_write(path)
+    atomic_write(path, snapshot.data)
+    stat = path.stat()
+    stamp = stat.st_mtime_ns, stat.st_size
     if snapshot.keep is not None and earlier.is_dir():
         for stale in earlier.glob("*.json"):
             if stale.name not in snapshot.keep:
@@ -201,15 +225,96 @@ def _dumps(obj: object) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
 
 
-class Store:
-    """Conversations, memory and custom models under one data directory."""
+Change = Callable[[dict], object]
 
-    def __init__(self, data_dir: Path) -> None:
+
+@dataclass(frozen=True, slots=True)
+class TurnLock:
+    """A running turn's claim on one conversation; `token` tells this claim from any later one."""
+
+    owner: str
+    conv_id: str
+    token: str = field(default_factory=new_id)
+
+
+def summary_of(conv: dict) -> dict:
+    """One conversation as the list shows it (API.md's list entry)."""
+    messages = conv["messages"]
+    last = next((m["created_at"] for m in reversed(messages) if m["role"] != "notice"), None)
+    return {
+        "id": conv["id"], "title": conv["title"], "model": conv["model"], "updated_at": conv["updated_at"],
+        "message_count": sum(1 for m in messages if m["role"] != "notice"),
+        "last_message_at": last or conv["created_at"],
+    }
+
+
+class OwnerStore(Protocol):
+    """One owner's conversations, memory and turn locks; another owner's ids are NotFound."""
+
+    owner: str
+
+    async def create(self, conv: dict) -> dict: ...
+
+    async def get(self, conv_id: str) -> dict:
+        """The stored conversation; do not mutate it outside `update()`."""
+
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        """Apply `change` to the latest version and store it; `lock`: refuse (LockLost) unless it is current."""
+
+    async def update_soon(self, conv_id: str, change: Change, *,
+                          lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
+        """`update` that answers once the change is visible to every reader, with its write still running."""
+
+    async def list(self) -> list[dict]:
+        """Every readable conversation's list entry (`summary_of`)."""
+
+    async def delete(self, conv_id: str) -> None: ...
+
+    async def read_memory(self) -> str: ...
+
+    async def write_memory(self, text: str) -> None: ...
+
+    async def lock_turn(self, conv_id: str) -> TurnLock:
+        """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
+
+    async def unlock_turn(self, lock: TurnLock) -> None:
+        """Release a claim (a no-op when it is no longer current)."""
+
+    async def turn_locked(self, conv_id: str) -> bool: ...
+
+
+class Store(Protocol):
+    """Where everything lives; routes and turns see it only through `for_owner`."""
+
+    def for_owner(self, owner: str) -> OwnerStore: ...
+
+    async def read_custom_models(self) -> list[dict]: ...
+
+    async def write_custom_models(self, models: list[dict]) -> None: ...
+
+    async def flush(self) -> None:
+        """Wait until every acknowledged change is durable (at shutdown)."""
+
+
+def _check_owner(owner: str) -> str:
+    if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
+        raise ValueError(f"not an owner id: {owner!r}")
+    return owner
+
+
+class FileStore:
+    """Conversations as JSON files under one data directory, for one process.
+
+    `before_write`, when set, is called (in the worker thread) with the path of every file a
+    conversation write is about to replace: tests inject slow or failing disks through it.
+    """
+
+    def __init__(self, data_dir: Path, before_write: Callable[[Path], None] | None = None) -> None:
         self.root = Path(data_dir)
         self.conversations_dir = self.root / "conversations"
-        self.memory_path = self.root / "memory.md"
         self.models_path = self.root / "models.json"
         self.conversations_dir.mkdir(parents=True, exist_ok=True)
+        self.before_write = before_write
         self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
         # Writes queued or running per conversation; while any is, memory is ahead of the file.
         self._pending: Counter[str] = Counter()
@@ -219,6 +324,16 @@ class Store:
         # Ids are random and never reused, so a deleted one stays deleted for queued writes too.
         self._deleted: set[str] = set()
         self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
+        self._turn_locks: dict[str, TurnLock] = {}
+
+    def for_owner(self, owner: str) -> FileOwnerStore:
+        return FileOwnerStore(self, _check_owner(owner))
+
+    def memory_path(self, owner: str) -> Path:
+        """The local person's memory stays where it always was; each account has its own folder."""
+        if owner == LOCAL_OWNER:
+            return self.root / "memory.md"
+        return self.root / "users" / _check_owner(owner) / "memory.md"
 
     def _path(self, conv_id: str) -> Path:
         if not valid_id(conv_id):
@@ -234,8 +349,8 @@ class Store:
         await asyncio.shield(self._queue_write(conv["id"], self._snapshot(conv["id"], conv)))
         return conv
 
-    def get(self, conv_id: str) -> dict:
-        """The stored conversation; do not mutate it outside `update()`."""
+    def load(self, conv_id: str) -> dict:
+        """The stored conversation, whoever owns it (NotFound, Damaged)."""
         path = self._path(conv_id)
         if conv_id in self._deleted:
             raise NotFound(conv_id)
@@ -327,24 +442,8 @@ class Store:
         keep = {e["file"] for sealed in state.values() for e in sealed.segments} if resealed else None
         return Snapshot(_dumps(head), new_segments, keep)
 
-    async def update(self, conv_id: str, change: Callable[[dict], object]) -> dict:
-        """Apply `change` to the latest version now, then write it back atomically.
-
-        The change and its snapshot happen without awaiting, so they are atomic within the event
-        loop; only the disk write is awaited. A caller cancelled meanwhile (Stop) does not cancel
-        the write: it still lands, in order.
-        """
-        conv, written = self.update_soon(conv_id, change)
-        await asyncio.shield(written)
-        return conv
-
-    def update_soon(self, conv_id: str, change: Callable[[dict], object]) -> tuple[dict, asyncio.Future]:
-        """`update` without waiting for the disk: (the changed conversation, its write).
-
-        Every reader sees the change at once; the future completes when it is on disk, or raises
-        why it could not be written (the change is then forgotten, and the file re-read).
-        """
-        conv = self.get(conv_id)
+    def apply(self, conv_id: str, conv: dict, change: Change) -> asyncio.Future:
+        """Apply `change` to `conv` now (no await: atomic within the loop) and queue its write."""
         try:
             change(conv)
             conv["updated_at"] = now_iso()
@@ -352,7 +451,7 @@ class Store:
         except BaseException:
             self._forget(conv_id)
             raise
-        return conv, self._queue_write(conv_id, snapshot)
+        return self._queue_write(conv_id, snapshot)
 
     def _forget(self, conv_id: str) -> None:
         """Memory is ahead of a file that will not catch up: read the file again next time."""
@@ -378,7 +477,8 @@ class Store:
                 raise OSError(f"an earlier write of conversation {conv_id} failed, so this one was not made")
         if conv_id in self._deleted:
             return
-        stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot)
+        stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot,
+                                               self.before_write)
         if conv_id in self._cache:
             self._cache[conv_id] = (stamp, self._cache[conv_id][1])
 
@@ -398,20 +498,20 @@ class Store:
         while self._tail:
             await asyncio.wait(list(self._tail.values()))
 
-    async def delete(self, conv_id: str) -> None:
+    async def remove(self, conv_id: str) -> None:
         """Remove a conversation; a damaged file is refused (Damaged) like any other write."""
         path = self._path(conv_id)
-        self.get(conv_id)
         self._deleted.add(conv_id)
         self._forget(conv_id)
+        self._turn_locks.pop(conv_id, None)
         with anyio.CancelScope(shield=True):
             if (tail := self._tail.get(conv_id)) is not None:
                 await asyncio.wait([tail])  # a write already running lands first, then the file goes
             path.unlink(missing_ok=True)
             shutil.rmtree(self._earlier_dir(conv_id), ignore_errors=True)
 
-    def list(self) -> list[dict]:
-        """Every readable conversation; damaged or foreign files are logged and skipped."""
+    def load_all(self) -> list[dict]:
+        """Every readable conversation, whoever owns it; damaged or foreign files are logged and skipped."""
         out = []
         for path in self.conversations_dir.glob("*.json"):
             conv_id = path.stem
@@ -419,33 +519,14 @@ class Store:
                 log.warning("skipping %s: not a conversation file name", path.name)
                 continue
             try:
-                out.append(self.get(conv_id))
+                out.append(self.load(conv_id))
             except Damaged as exc:
                 log.warning("skipping damaged conversation file %s: %s", path.name, exc.reason)
             except NotFound:
                 continue
         return out
 
-    def read_memory(self) -> str:
-        """The memory file; bytes that are not UTF-8 are shown replaced (and logged), never fatal."""
-        try:
-            raw = self.memory_path.read_bytes()
-        except FileNotFoundError:
-            return ""
-        except OSError as exc:
-            log.warning("ignoring unreadable %s: %s", self.memory_path.name, exc)
-            return ""
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            log.warning("%s is not valid UTF-8 (%s); showing it with replacement characters",
-                        self.memory_path.name, exc)
-            return raw.decode("utf-8", "replace")
-
-    def write_memory(self, text: str) -> None:
-        atomic_write(self.memory_path, text.encode("utf-8"))
-
-    def read_custom_models(self) -> list[dict]:
+    async def read_custom_models(self) -> list[dict]:
         try:
             data = orjson.loads(self.models_path.read_bytes())
         except FileNotFoundError:
@@ -459,5 +540,82 @@ class Store:
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
                 and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
 
-    def write_custom_models(self, models: list[dict]) -> None:
+    async def write_custom_models(self, models: list[dict]) -> None:
         atomic_write(self.models_path, _dumps(models))
+
+
+class FileOwnerStore:
+    """One owner's view of a FileStore: every read and write checks the owner first."""
+
+    def __init__(self, files: FileStore, owner: str) -> None:
+        self.files = files
+        self.owner = owner
+
+    def _mine(self, conv_id: str) -> dict:
+        conv = self.files.load(conv_id)
+        if conv["owner"] != self.owner:
+            raise NotFound(conv_id)  # indistinguishable from an id that does not exist
+        return conv
+
+    async def create(self, conv: dict) -> dict:
+        return await self.files.create({**conv, "owner": self.owner})
+
+    async def get(self, conv_id: str) -> dict:
+        return self._mine(conv_id)
+
+    def _check_lock(self, conv_id: str, lock: TurnLock | None) -> None:
+        if lock is not None and self.files._turn_locks.get(conv_id) is not lock:
+            raise LockLost(conv_id)
+
+    async def update_soon(self, conv_id: str, change: Change, *,
+                          lock: TurnLock | None = None) -> tuple[dict, asyncio.Future]:
+        conv = self._mine(conv_id)
+        self._check_lock(conv_id, lock)
+        return conv, self.files.apply(conv_id, conv, change)
+
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        # A caller cancelled meanwhile (Stop) does not cancel the write: it still lands, in order.
+        conv, written = await self.update_soon(conv_id, change, lock=lock)
+        await asyncio.shield(written)
+        return conv
+
+    async def list(self) -> list[dict]:
+        return [summary_of(c) for c in self.files.load_all() if c["owner"] == self.owner]
+
+    async def delete(self, conv_id: str) -> None:
+        self._mine(conv_id)
+        await self.files.remove(conv_id)
+
+    async def read_memory(self) -> str:
+        """The memory file; bytes that are not UTF-8 are shown replaced (and logged), never fatal."""
+        path = self.files.memory_path(self.owner)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            log.warning("ignoring unreadable %s: %s", path.name, exc)
+            return ""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            log.warning("%s is not valid UTF-8 (%s); showing it with replacement characters", path.name, exc)
+            return raw.decode("utf-8", "replace")
+
+    async def write_memory(self, text: str) -> None:
+        atomic_write(self.files.memory_path(self.owner), text.encode("utf-8"))
+
+    async def lock_turn(self, conv_id: str) -> TurnLock:
+        self._mine(conv_id)
+        if conv_id in self.files._turn_locks:
+            raise TurnBusy(conv_id)
+        lock = TurnLock(self.owner, conv_id)
+        self.files._turn_locks[conv_id] = lock
+        return lock
+
+    async def unlock_turn(self, lock: TurnLock) -> None:
+        if self.files._turn_locks.get(lock.conv_id) is lock:
+            del self.files._turn_locks[lock.conv_id]
+
+    async def turn_locked(self, conv_id: str) -> bool:
+        return conv_id in self.files._turn_locks
