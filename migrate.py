@@ -73,11 +73,16 @@ def open_store(kind: str, args: argparse.Namespace) -> Store:
 
 
 async def run(args: argparse.Namespace) -> dict[str, int]:
-    source, target = open_store(args.source, args), open_store(args.target, args)
+    opened: dict[str, Store] = {}
     try:
-        return await migrate(source, target)
+        # Redis first, and checked before the file store's directory is made: a failed run leaves no trace.
+        for kind in ("redis", "files"):
+            opened[kind] = store = open_store(kind, args)
+            if isinstance(store, RedisStore):
+                await store.ping()
+        return await migrate(opened[args.source], opened[args.target])
     finally:
-        for store in (source, target):
+        for store in opened.values():
             if isinstance(store, RedisStore):
                 await store.close()
 

@@ -82,3 +82,11 @@ def test_bad_arguments_change_nothing(tmp_path):
                            "--data-dir", str(tmp_path / "d")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "same store" in done.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_redis_unreachable_is_reported_and_changes_nothing(tmp_path):
+    done = subprocess.run([sys.executable, "server.py", "migrate", "--from", "redis", "--to", "files",
+                           "--data-dir", str(tmp_path / "d"), "--redis-url", "redis://127.0.0.1:1/0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Redis at redis://127.0.0.1:1/0 is unreachable" in done.stderr
+    assert not (tmp_path / "d").exists()
