@@ -5,8 +5,9 @@ Layout, all keys under one prefix (`chat:` by default):
   place as nulls so the key order survives), `lists` (which fields are lists), `owner`, `version`
   (bumped by every write), `summary` (the list entry, so listing never loads messages), `nonce`
   (the last write's id, so a write retried after a lost reply is recognised, not applied twice).
-- `conv:<id>:messages`, `conv:<id>:archive`: one JSON document per item. A write whose old items
-  are a prefix of the new ones only RPUSHes the new ones; anything else rewrites the list.
+- `conv:<id>:messages`, `conv:<id>:archive`: one JSON document per item. A write RPUSHes the new
+  items after the unchanged ones (LTRIMming first when an item near the end changed), so a turn
+  appends to a long history instead of rewriting it.
 - `owner:<owner>:conversations` a sorted set of ids scored by update time; ids whose hash expired
   are dropped when the list meets them.
 - `lock:<id>` the turn lock (`<fence>:<token>`, SET NX PX, renewed by the running turn) and
@@ -50,7 +51,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from storage import (LOCAL_OWNER, SEALED_LISTS, Change, FileStore, LockLost, NotFound, TurnBusy, TurnLock,
+from storage import (LOCAL_OWNER, SEALED_LISTS, SEGMENT_MESSAGES, Change, FileStore, LockLost, NotFound, TurnBusy, TurnLock,
                      _check_owner, new_id, now_iso, summary_of, upgrade, valid_id)
 
 log = logging.getLogger("chat.redis_store")
@@ -59,6 +60,7 @@ LISTS = tuple(SEALED_LISTS)  # the fields that only grow at their end: stored as
 KV_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 # How often a write computed from a version another process replaced meanwhile is recomputed.
 MAX_ATTEMPTS = 50
+RECHECK = SEGMENT_MESSAGES  # the newest stored items a write checks for edits in place
 
 # Script answers below zero.
 CONFLICT, GONE, STALE_LOCK, BUSY = -1, -2, -3, -4
@@ -81,7 +83,7 @@ class FencedTurnLock(TurnLock):
 
 # KEYS: conv hash, messages, archive, owner index, fence. ARGV: expected version ("" = any, for
 # create), fence ("" = no lock), nonce, owner, head, summary, score, ttl ms ("0" = none), lists,
-# conv id, then per list: mode (keep | append | replace | absent), count, the items.
+# conv id, then per list: how many stored items to keep (-1 all, -2 none: not a list), count, the items.
 WRITE = """
 local h = KEYS[1]
 if ARGV[1] ~= '' then
@@ -97,13 +99,12 @@ local version = redis.call('HINCRBY', h, 'version', 1)
 redis.call('HSET', h, 'head', ARGV[5], 'owner', ARGV[4], 'summary', ARGV[6], 'nonce', ARGV[3], 'lists', ARGV[9])
 local i = 11
 for k = 2, 3 do
-  local mode, n = ARGV[i], tonumber(ARGV[i + 1])
+  local keep, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
   i = i + 2
-  if mode == 'replace' or mode == 'absent' then redis.call('DEL', KEYS[k]) end
-  if mode == 'replace' or mode == 'append' then
-    for s = i, i + n - 1, 1000 do
-      redis.call('RPUSH', KEYS[k], unpack(ARGV, s, math.min(s + 999, i + n - 1)))
-    end
+  if keep == 0 or keep == -2 then redis.call('DEL', KEYS[k])
+  elseif keep > 0 then redis.call('LTRIM', KEYS[k], 0, keep - 1) end
+  for s = i, i + n - 1, 1000 do
+    redis.call('RPUSH', KEYS[k], unpack(ARGV, s, math.min(s + 999, i + n - 1)))
   end
   i = i + n
 end
@@ -185,23 +186,47 @@ def _json_list(raw: list[bytes]) -> list:
 
 
 @dataclass(slots=True)
+class _Stored:
+    """One list field as last stored: its items' JSON and the very item objects it was made from."""
+
+    raw: list[bytes]
+    items: list
+
+
+@dataclass(slots=True)
 class _Cached:
-    """One conversation as this process last read or wrote it, with its lists' stored items."""
+    """One conversation as this process last read or wrote it."""
 
     version: int
     conv: dict
-    raw: dict[str, list[bytes] | None]  # list field -> its items' JSON; None: not a list
+    lists: dict[str, _Stored | None]  # None: the field is not a list
 
 
-def _plan(old: list[bytes] | None, items: object) -> tuple[str, list[bytes] | None, list[bytes]]:
-    """How to store one list field: (mode, all its items' JSON, the items to push)."""
+def _plan(old: _Stored | None, items: object, known: bool) -> tuple[int, _Stored | None, list[bytes]]:
+    """How to store one list field: (how many stored items to keep, what is then stored, the items
+    to push after them). Keep -1: all of them; 0: none; -2: the field is no longer a list.
+    `known`: `old` is what Redis holds (otherwise, as for a create, it may hold anything).
+
+    Only the last RECHECK stored items are serialised again to find an edit in place (a reply
+    being checkpointed); older ones are compared by identity, the rule the file store's sealed
+    segments rely on too (an old message is replaced, never edited in place), so a long history
+    costs nothing per write and an edit near the end rewrites only the end.
+    """
     if not isinstance(items, list):
-        return ("keep" if old is None else "absent"), None, []
-    new = [orjson.dumps(item) for item in items]
-    if old is not None and len(new) >= len(old) and new[:len(old)] == old:
-        pushed = new[len(old):]
-        return ("append" if pushed else "keep"), new, pushed
-    return "replace", new, new
+        return (-1 if known and old is None else -2), None, []
+    if old is None:
+        raw = [orjson.dumps(item) for item in items]
+        return 0, _Stored(raw, list(items)), raw
+    n = len(old.raw)
+    cut = min(max(0, n - RECHECK), len(items))
+    same = next((i for i in range(cut) if old.items[i] is not items[i]), cut)
+    tail = [orjson.dumps(item) for item in items[same:]]
+    if same == cut:
+        k = 0
+        while same + k < n and k < len(tail) and tail[k] == old.raw[same + k]:
+            k += 1
+        same, tail = same + k, tail[k:]
+    return (-1 if same == n else same), _Stored(old.raw[:same] + tail, list(items)), tail
 
 
 class RedisStore:
@@ -303,12 +328,12 @@ class RedisStore:
             return cached
         version, head, lists, *items = found
         conv, lists = orjson.loads(head), orjson.loads(lists)
-        raw: dict[str, list[bytes] | None] = dict.fromkeys(LISTS)
-        for name, stored in zip(LISTS, items):
+        stored: dict[str, _Stored | None] = dict.fromkeys(LISTS)
+        for name, raw in zip(LISTS, items):
             if name in lists:
-                raw[name] = stored
-                conv[name] = _json_list(stored)
-        entry = _Cached(int(version), conv, raw)
+                conv[name] = _json_list(raw)
+                stored[name] = _Stored(raw, list(conv[name]))
+        entry = _Cached(int(version), conv, stored)
         self._cache[conv_id] = entry
         return entry
 
@@ -340,13 +365,11 @@ class RedisStore:
         args: list = [expected.version if expected else "", fence, nonce or new_id(), owner, orjson.dumps(head),
                       orjson.dumps(summary_of(conv)), _score(conv["updated_at"]), self.ttl_ms,
                       orjson.dumps(lists), conv_id]
-        raw: dict[str, list[bytes] | None] = {}
+        stored: dict[str, _Stored | None] = {}
         for name in LISTS:
-            old = expected.raw[name] if expected else None
-            mode, raw[name], pushed = _plan(old, conv.get(name))
-            if expected is None and mode == "keep":
-                mode = "absent"  # a create replaces whatever an earlier copy of this id left
-            args += [mode, len(pushed), *pushed]
+            keep, stored[name], pushed = _plan(expected.lists[name] if expected else None, conv.get(name),
+                                          expected is not None)
+            args += [keep, len(pushed), *pushed]
         keys = [*self._conv_keys(conv_id), self.index_key(owner), self.fence_key(conv_id)]
         with self.reachable():
             # Shielded: a caller cancelled meanwhile (Stop) must not leave the write half-sent.
@@ -357,7 +380,7 @@ class RedisStore:
             raise LockLost(conv_id)
         if version == CONFLICT:
             raise _Conflict
-        entry = _Cached(int(version), conv, raw)
+        entry = _Cached(int(version), conv, stored)
         self._cache[conv_id] = entry
         return entry
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis as sync_redis
 
-from redis_store import RedisStore, StoreUnavailable, expire_old
+from redis_store import RECHECK, RedisStore, StoreUnavailable, expire_old
 from redis_support import RedisServer, redis_server, unique_prefix  # noqa: F401  (a fixture)
 from storage import FileStore, LockLost, NotFound, TurnBusy, new_id
 from test_store_contract import append, conversation, message
@@ -92,14 +92,40 @@ async def test_messages_are_appended_not_rewritten(redis_server):
     assert "cmdstat_del" not in stats
     assert r.llen(key) == 25
 
-    # Editing an earlier message is not an append: the list is rewritten, whole and right.
+    # A reply checkpointed in place: only the last item is replaced (LTRIM, then one RPUSH).
     r.config_resetstat()
-    await mine.update(conv["id"], lambda c: c["messages"][1].update(content="edited"))
+    await mine.update(conv["id"], lambda c: c["messages"][-1].update(content="m24, longer"))
     stats = r.info("commandstats")
-    assert stats["cmdstat_del"]["calls"] == 1
+    assert stats["cmdstat_ltrim"]["calls"] == 1 and stats["cmdstat_rpush"]["calls"] == 1
+    assert "cmdstat_del" not in stats
+
+    # An earlier message edited: the list is cut there and the rest pushed again, whole and right.
+    await mine.update(conv["id"], lambda c: c["messages"][1].update(content="edited"))
+    # The oldest message replaced by a new object (the way old messages change): rewritten from it.
+    r.config_resetstat()
+    await mine.update(conv["id"], lambda c: c["messages"].__setitem__(0, {**c["messages"][0], "content": "new m0"}))
+    assert r.info("commandstats")["cmdstat_del"]["calls"] == 1
     fresh = await RedisStore(redis_server.url, prefix=store.prefix).for_owner("alice").get(conv["id"])
-    assert [m["content"] for m in fresh["messages"]] == ["m0", "edited", *[f"m{i}" for i in range(2, 25)]]
+    assert [m["content"] for m in fresh["messages"]] == ["new m0", "edited", *[f"m{i}" for i in range(2, 24)],
+                                                         "m24, longer"]
+    assert r.llen(key) == 25
     r.close()
+    await store.close()
+
+
+async def test_an_old_message_replaced_beyond_the_recheck_window_is_stored(redis_server):
+    store = RedisStore(redis_server.url, prefix=unique_prefix())
+    mine = store.for_owner("alice")
+    conv = await mine.create(conversation())
+    count = RECHECK + 100
+    await mine.update(conv["id"], lambda c: c["messages"].extend(message(f"m{i}") for i in range(count)))
+
+    def replace_third(c: dict) -> None:
+        c["messages"][2] = {**c["messages"][2], "content": "replaced"}
+
+    await mine.update(conv["id"], replace_third)
+    fresh = await RedisStore(redis_server.url, prefix=store.prefix).for_owner("alice").get(conv["id"])
+    assert [m["content"] for m in fresh["messages"]] == ["m0", "m1", "replaced", *[f"m{i}" for i in range(3, count)]]
     await store.close()
 
 
