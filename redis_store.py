@@ -14,6 +14,9 @@ Layout, all keys under one prefix (`chat:` by default):
   `fence:<id>` a counter bumped by every lock and unlock: a write carrying a lock whose fence is
   not the current one is refused (LockLost), so a paused process never overwrites a newer turn.
 - `memory:<owner>`, `models`, and `kv:<key>` (small JSON values for other modules: accounts, sessions).
+- `stop:<id>` a pub/sub channel: Stop from any process reaches the process running the turn.
+- `events:<id>` a stream of the running turn's events (ids `0-<seq>`), so a re-attach on any
+  process replays and follows them; it expires shortly after the turn's last event.
 
 Every write is one Lua script: checked against the version it was computed from and applied whole,
 or not at all. Within one process the writes to one conversation are queued in the order they are
@@ -38,7 +41,7 @@ import re
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from urllib.parse import urlsplit, urlunsplit
@@ -61,6 +64,9 @@ KV_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 # How often a write computed from a version another process replaced meanwhile is recomputed.
 MAX_ATTEMPTS = 50
 RECHECK = SEGMENT_MESSAGES  # the newest stored items a write checks for edits in place
+EVENTS_TTL_MS = 3_600_000  # a turn's event stream outlives its latest event by this much at most
+SUBSCRIBE_TIMEOUT = 3.0  # seconds a turn waits for the stop subscription before calling Redis unreachable
+RESUBSCRIBE_DELAY = 0.1
 
 # Script answers below zero.
 CONFLICT, GONE, STALE_LOCK, BUSY = -1, -2, -3, -4
@@ -172,6 +178,21 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
+# KEYS: events stream. ARGV: seq, turn id, frame, last ("1"/"0"), ttl ms. Seq 1 starts a new turn's
+# stream; a seq already there (a retried append) is left as it is.
+APPEND_EVENT = """
+local seq = tonumber(ARGV[1])
+if seq == 1 then
+  redis.call('DEL', KEYS[1])
+else
+  local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+  if top and tonumber(string.match(top[1], '-(%d+)$')) >= seq then return 0 end
+end
+redis.call('XADD', KEYS[1], '0-' .. ARGV[1], 't', ARGV[2], 'f', ARGV[3], 'last', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
 
 def _score(iso: str) -> float:
     """An `updated_at` as milliseconds since the epoch (the list's order)."""
@@ -246,10 +267,10 @@ class RedisStore:
         # Never echo a password into an error message or a log.
         self.where = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         self.redis = aioredis.Redis.from_url(
-            url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=0,
-            # A pooled connection Redis closed (a restart) fails once; one quick retry on a fresh one.
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError])
+            url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=0,
+            # A pooled connection Redis closed (a restart) fails once; a quick retry on a fresh one.
+            # A timeout is not retried: a Redis that hangs should fail the request, not triple its wait.
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2), retry_on_error=[RedisConnectionError])
         self._write = self.redis.register_script(WRITE)
         self._load = self.redis.register_script(LOAD)
         self._list = self.redis.register_script(LIST)
@@ -257,9 +278,11 @@ class RedisStore:
         self._lock = self.redis.register_script(LOCK)
         self._unlock = self.redis.register_script(UNLOCK)
         self._renew = self.redis.register_script(RENEW)
+        self._append_event = self.redis.register_script(APPEND_EVENT)
         self._cache: dict[str, _Cached] = {}
         # One queue per conversation being written: its writes leave this process in call order.
         self._queues: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._stops: _StopListener | None = None
 
     # Keys.
     def conv_key(self, conv_id: str) -> str:
@@ -293,6 +316,8 @@ class RedisStore:
         return RedisOwnerStore(self, _check_owner(owner))
 
     async def close(self) -> None:
+        if self._stops is not None:
+            await self._stops.close()
         await self.redis.aclose()
 
     async def ping(self) -> None:
@@ -474,6 +499,135 @@ class RedisStore:
                            self.redis.scan_iter(match=f"{self.prefix}kv:{prefix}*", count=500)])
 
 
+    # Stop from any process: one pattern subscription per process, dispatched to the turns it runs.
+    async def publish_stop(self, conv_id: str) -> int:
+        """Ask whichever process runs `conv_id`'s turn to stop it; how many processes heard the request.
+
+        0 means no process is listening just now (none started a turn yet, or one is re-subscribing
+        after Redis came back): a caller that still sees the turn locked may ask again.
+        """
+        with self.reachable():
+            return await self.redis.publish(f"{self.prefix}stop:{conv_id}", b"stop")
+
+    @asynccontextmanager
+    async def subscribe_stop(self, conv_id: str) -> AsyncIterator[asyncio.Event]:
+        """Within the block, the event is set once a stop for `conv_id` is published (by any process).
+
+        Entering waits until this process's subscription is live (StoreUnavailable if Redis does
+        not answer), so a stop published after entering is never missed while Redis stays up.
+        """
+        if self._stops is None:
+            self._stops = _StopListener(self)
+        event = asyncio.Event()
+        await self._stops.add(conv_id, event)
+        try:
+            yield event
+        finally:
+            self._stops.remove(conv_id, event)
+
+    # A running turn's events, so that any process can replay and follow them (re-attach).
+    def events_key(self, conv_id: str) -> str:
+        return f"{self.prefix}events:{conv_id}"
+
+    async def append_turn_event(self, conv_id: str, turn_id: str, seq: int, frame: bytes, *,
+                                last: bool = False, keep_seconds: float = 60) -> None:
+        """Record event `seq` (1, 2, …) of turn `turn_id`; seq 1 replaces the previous turn's events.
+
+        `last`: the turn is over; its events stay readable `keep_seconds` longer, then go. A stream
+        whose process died before its last event goes EVENTS_TTL after its latest one. Appending a
+        seq already recorded (a retry after a lost reply) changes nothing.
+        """
+        ttl = int(keep_seconds * 1000) if last else EVENTS_TTL_MS
+        with self.reachable():
+            await self._append_event(keys=[self.events_key(conv_id)],
+                                     args=[seq, turn_id, frame, b"1" if last else b"0", ttl])
+
+    async def read_turn_events(self, conv_id: str, after: int = 0, *, turn_id: str | None = None,
+                               block_ms: int = 1000) -> AsyncIterator[tuple[int, bytes]]:
+        """Every event after seq `after`, in order and once each, then the ones still to come, until
+        the turn's last event; ends at once if no turn's events are kept. `turn_id`: only that turn's
+        (default: the turn of the first event read); it ends where another turn's events begin.
+        """
+        key, last_id = self.events_key(conv_id), f"0-{after}"
+        while True:
+            with self.reachable():
+                found = await self.redis.xread({key: last_id}, count=500, block=block_ms)
+                if not found and not await self.redis.exists(key):
+                    return
+            for entry_id, fields in (found[0][1] if found else []):
+                if turn_id is None:
+                    turn_id = fields[b"t"].decode()
+                elif fields[b"t"].decode() != turn_id:
+                    return
+                last_id = entry_id
+                yield int(entry_id.split(b"-")[1]), fields[b"f"]
+                if fields[b"last"] == b"1":
+                    return
+
+
+class _StopListener:
+    """One PSUBSCRIBE per process to every conversation's stop channel; sets the waiting turns' events."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self.store = store
+        self.channel_prefix = f"{store.prefix}stop:".encode()
+        self.waiting: dict[str, set[asyncio.Event]] = {}
+        self.live = asyncio.Event()
+        self.failure: str = ""
+        self.task: asyncio.Task | None = None
+
+    async def add(self, conv_id: str, event: asyncio.Event) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run(), name="redis stop listener")
+        self.waiting.setdefault(conv_id, set()).add(event)
+        try:
+            await asyncio.wait_for(self.live.wait(), SUBSCRIBE_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.remove(conv_id, event)
+            raise StoreUnavailable(f"Redis at {self.store.where} is unreachable ({self.failure or 'no answer'})") \
+                from None
+
+    def remove(self, conv_id: str, event: asyncio.Event) -> None:
+        events = self.waiting.get(conv_id)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self.waiting[conv_id]
+
+    async def _run(self) -> None:
+        while True:
+            pubsub = self.store.redis.pubsub()
+            try:
+                await pubsub.psubscribe(self.channel_prefix + b"*")
+                while True:
+                    # A bounded wait, not a blocking read: an idle subscription must not trip the
+                    # client's socket timeout, and a dead connection must surface.
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    if message["type"] == "psubscribe":
+                        self.live.set()
+                    elif message["type"] == "pmessage":
+                        conv_id = message["channel"][len(self.channel_prefix):].decode()
+                        for event in self.waiting.get(conv_id, ()):
+                            event.set()
+            except Exception as exc:
+                self.live.clear()
+                self.failure = str(exc)
+                if not isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+                    log.exception("the stop subscription failed; subscribing again")
+                await asyncio.sleep(RESUBSCRIBE_DELAY)  # Redis is away: try again shortly, not in a hot loop
+            finally:
+                with suppress(Exception):
+                    await pubsub.aclose()
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self.task
+
+
 class _Conflict(Exception):
     """Another process wrote the conversation since this write's version was read."""
 
@@ -584,5 +738,3 @@ async def expire_old(files: FileStore, days: float, *, now: datetime | None = No
             removed.append(conv["id"])
     return removed
 
-
-__all__ = ["RedisStore", "RedisOwnerStore", "FencedTurnLock", "StoreUnavailable", "expire_old", "LOCAL_OWNER"]

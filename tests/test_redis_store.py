@@ -273,3 +273,78 @@ async def test_kv_seam(redis_server):
     with pytest.raises(ValueError):
         await store.get_json("../*")
     await store.close()
+
+
+async def test_stop_published_on_one_process_reaches_the_turn_on_another(two):
+    a, b = two
+    mine = a.for_owner("alice")
+    conv = await mine.create(conversation())
+    other = await mine.create(conversation())
+    async with a.subscribe_stop(conv["id"]) as stopped, a.subscribe_stop(other["id"]) as other_stopped:
+        assert not stopped.is_set()
+        started = time.monotonic()
+        assert await b.publish_stop(conv["id"]) >= 1
+        await asyncio.wait_for(stopped.wait(), 5)
+        assert time.monotonic() - started < 1
+        assert not other_stopped.is_set()  # only the named conversation's turn is stopped
+    # Outside the block nothing waits for it any more.
+    assert a._stops.waiting == {}
+
+
+async def test_stop_subscription_comes_back_after_a_redis_restart(tmp_path):
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    a, b = RedisStore(server.url, prefix="p:"), RedisStore(server.url, prefix="p:")
+    try:
+        async with a.subscribe_stop("conversation-1") as stopped:
+            server.stop(signal.SIGKILL)
+            with pytest.raises(StoreUnavailable):
+                await b.publish_stop("conversation-1")
+            server.start()
+            # The listener subscribes again by itself; until it has, nobody hears the stop.
+            deadline = time.monotonic() + 10
+            while await b.publish_stop("conversation-1") == 0:
+                assert time.monotonic() < deadline, "the stop subscription did not come back"
+                await asyncio.sleep(0.02)
+            await asyncio.wait_for(stopped.wait(), 5)
+    finally:
+        await a.close()
+        await b.close()
+        server.stop()
+
+
+async def test_turn_events_replay_and_follow_exactly_once(two):
+    a, b = two
+    conv_id = new_id()
+    for seq in range(1, 4):
+        await a.append_turn_event(conv_id, "turn-1", seq, f"event {seq}".encode())
+    await a.append_turn_event(conv_id, "turn-1", 3, b"event 3 again")  # a retried append changes nothing
+
+    async def writer():
+        for seq in range(4, 8):
+            await asyncio.sleep(0.01)  # the turn producing events while the reader follows
+            await a.append_turn_event(conv_id, "turn-1", seq, f"event {seq}".encode(), last=seq == 7,
+                                      keep_seconds=30)
+
+    task = asyncio.create_task(writer())
+    seen = [(seq, frame) async for seq, frame in b.read_turn_events(conv_id, after=1)]
+    await task
+    assert seen == [(seq, f"event {seq}".encode()) for seq in range(2, 8)]
+    # A re-attach after the end still replays, until the kept events expire.
+    assert [seq async for seq, _ in b.read_turn_events(conv_id, after=5)] == [6, 7]
+    r = raw_url(b.url)
+    assert 0 < r.pttl(b.events_key(conv_id)) <= 30_000
+    # The next turn starts a fresh stream; a reader of the old turn stops where it ends.
+    await a.append_turn_event(conv_id, "turn-2", 1, b"new turn")
+    following = b.read_turn_events(conv_id)
+    assert await asyncio.wait_for(anext(following), 5) == (1, b"new turn")
+    await following.aclose()
+    assert [f async for _, f in b.read_turn_events(conv_id, turn_id="turn-1")] == []
+    r.delete(b.events_key(conv_id))
+    # No turn's events kept: the read ends at once instead of waiting forever.
+    assert [e async for e in b.read_turn_events(conv_id, block_ms=50)] == []
+    r.close()
+
+
+def raw_url(url: str) -> sync_redis.Redis:
+    return sync_redis.Redis.from_url(url)
