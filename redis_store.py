@@ -40,6 +40,7 @@ import logging
 import re
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ KV_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 # How often a write computed from a version another process replaced meanwhile is recomputed.
 MAX_ATTEMPTS = 50
 RECHECK = SEGMENT_MESSAGES  # the newest stored items a write checks for edits in place
+CACHED_CONVERSATIONS = 1000
 EVENTS_TTL_MS = 3_600_000  # a turn's event stream outlives its latest event by this much at most
 SUBSCRIBE_TIMEOUT = 3.0  # seconds a turn waits for the stop subscription before calling Redis unreachable
 RESUBSCRIBE_DELAY = 0.1
@@ -279,7 +281,8 @@ class RedisStore:
         self._unlock = self.redis.register_script(UNLOCK)
         self._renew = self.redis.register_script(RENEW)
         self._append_event = self.redis.register_script(APPEND_EVENT)
-        self._cache: dict[str, _Cached] = {}
+        # The conversations this process read or wrote last, newest at the end (a bounded cache).
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
         # One queue per conversation being written: its writes leave this process in call order.
         self._queues: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._stops: _StopListener | None = None
@@ -350,6 +353,7 @@ class RedisStore:
             self._cache.pop(conv_id, None)
             raise NotFound(conv_id)
         if len(found) == 1 and cached is not None:
+            self._cache.move_to_end(conv_id)
             return cached
         version, head, lists, *items = found
         conv, lists = orjson.loads(head), orjson.loads(lists)
@@ -358,8 +362,13 @@ class RedisStore:
             if name in lists:
                 conv[name] = _json_list(raw)
                 stored[name] = _Stored(raw, list(conv[name]))
-        entry = _Cached(int(version), conv, stored)
+        return self._remember(conv_id, _Cached(int(version), conv, stored))
+
+    def _remember(self, conv_id: str, entry: _Cached) -> _Cached:
         self._cache[conv_id] = entry
+        self._cache.move_to_end(conv_id)
+        while len(self._cache) > CACHED_CONVERSATIONS:
+            self._cache.popitem(last=False)
         return entry
 
     async def conversation_ids(self) -> AsyncIterator[str]:
@@ -405,9 +414,7 @@ class RedisStore:
             raise LockLost(conv_id)
         if version == CONFLICT:
             raise _Conflict
-        entry = _Cached(int(version), conv, stored)
-        self._cache[conv_id] = entry
-        return entry
+        return self._remember(conv_id, _Cached(int(version), conv, stored))
 
     def _queue(self, conv_id: str) -> asyncio.Lock:
         queue = self._queues.get(conv_id)

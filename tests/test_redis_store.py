@@ -348,3 +348,17 @@ async def test_turn_events_replay_and_follow_exactly_once(two):
 
 def raw_url(url: str) -> sync_redis.Redis:
     return sync_redis.Redis.from_url(url)
+
+
+async def test_the_cache_is_bounded_and_reads_stay_right(redis_server, monkeypatch):
+    monkeypatch.setattr("redis_store.CACHED_CONVERSATIONS", 2)
+    store = RedisStore(redis_server.url, prefix=unique_prefix())
+    mine = store.for_owner("alice")
+    convs = [await mine.create(conversation(title=f"c{i}")) for i in range(4)]
+    for conv in convs:
+        await mine.update(conv["id"], append(message(conv["title"])))
+    assert len(store._cache) == 2
+    for conv in convs:
+        assert [m["content"] for m in (await mine.get(conv["id"]))["messages"]] == [conv["title"]]
+    assert list(store._cache) == [convs[2]["id"], convs[3]["id"]]
+    await store.close()
