@@ -5,12 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LITELLM := bench/.venv-litellm
 
-.PHONY: run test bench browser-deps
+.PHONY: run test bench browser-deps redis-deps
 
 run: $(VENV)/.installed
 	$(PY) server.py
 
-test: $(VENV)/.installed-dev browser-deps
+test: $(VENV)/.installed-dev browser-deps redis-deps
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed-bench $(LITELLM)/.installed
@@ -42,4 +42,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 browser-deps:
 	@if ! command -v chromium >/dev/null || ! fc-list 2>/dev/null | grep -qi "noto sans cjk"; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-noto-cjk fonts-noto-color-emoji >/dev/null; \
+	fi
+
+# The Redis store's tests start Debian's redis-server themselves (a free port, a temporary directory).
+redis-deps:
+	@if ! command -v redis-server >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	fi

@@ -132,6 +132,10 @@ def main() -> None:
     import uvicorn
     from pydantic import ValidationError
 
+    if sys.argv[1:2] == ["migrate"]:  # `python server.py migrate --from files --to redis`
+        import migrate
+
+        sys.exit(migrate.main(sys.argv[2:]))
     try:
         settings = get_settings()
     except ValidationError as exc:
