@@ -18,11 +18,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
+import auth_routes
 import context
 from config import ROOT, ModelInfo, Settings, get_settings
 from failures import keep_secret
 from schemas import ConversationCreate, ConversationPatch, Empty, Login, MemoryPut, MessageCreate, ModelCreate
-from security import TOKEN_COOKIE, Guard, login_cookie, token_matches
+from security import Guard
 from storage import Damaged, NotFound, Store, new_id, now_iso
 from turns import Gateway, NothingToAnswer, Turn, TurnBusy, Turns
 
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan)
     install_routes(app)
+    app.include_router(auth_routes.router)
     app.add_middleware(Guard)
     return app
 
@@ -167,16 +169,9 @@ def install_routes(app: FastAPI) -> None:
         return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo"}
 
     @app.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})
-    async def login(body: Login, state: StateDep) -> Response:
-        """Trade ACCESS_TOKEN for an HttpOnly, SameSite=Strict cookie the page sends from then on."""
-        token = state.settings.access_token
-        if token is None:
-            return Response(status_code=204)  # nothing to log in to
-        if not token_matches(body.token, token):
-            return JSONResponse({"detail": "wrong access token"}, status_code=401)
-        response = Response(status_code=204)
-        response.set_cookie(TOKEN_COOKIE, login_cookie(token), httponly=True, samesite="strict", path="/")
-        return response
+    async def login(body: Login, request: Request) -> Response:
+        """Trade ACCESS_TOKEN for an HttpOnly, SameSite=Strict session cookie (random, expiring)."""
+        return await auth_routes.token_login(request, body.token)
 
     @app.get("/api/models")
     async def list_models(state: StateDep) -> dict:
@@ -344,6 +339,10 @@ def main() -> None:
     import uvicorn
     from pydantic import ValidationError
 
+    if len(sys.argv) > 1 and sys.argv[1] == "user":
+        import accounts_cli
+
+        sys.exit(accounts_cli.main(sys.argv[2:]))
     try:
         settings = get_settings()
     except ValidationError as exc:
