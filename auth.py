@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import re
 import secrets
 import time
@@ -179,7 +180,7 @@ class Limiter:
             if len(times) >= limit:
                 waits.append(min(times) + WINDOW_SECONDS - now)
         if waits:
-            raise Throttled(max(1, int(max(waits)) + 1))
+            raise Throttled(max(1, math.ceil(max(waits))))
 
     def fail(self, limits: list[tuple[str, int]], guess: str) -> bool:
         """Count one failed guess against every key; False when it repeats a guess already counted."""
