@@ -122,6 +122,8 @@ class UserFile:
         """A new account; the first admin ever made inherits the single-person data (owner "local")."""
         if not USERNAME.fullmatch(name):
             raise BadAccount(f"user names are 1-64 of A-Z a-z 0-9 _ . @ + -, not {name!r}")
+        if name.lower() == LOCAL_OWNER:
+            raise BadAccount(f"the name {LOCAL_OWNER!r} is reserved for the one person of AUTH=none")
         with self.edit() as content:
             if any(u["name"].lower() == name.lower() for u in content["users"]):
                 raise BadAccount(f"there is already a user named {name!r}")
@@ -333,7 +335,7 @@ class Accounts:
         if not from_trusted_proxy(scope, self.settings):
             return None
         name = headers.get(self.settings.auth_header.lower(), "").strip()
-        if not USERNAME.fullmatch(name):
+        if not USERNAME.fullmatch(name) or name.lower() == LOCAL_OWNER:
             return None
         record = self.users.find(name)
         if record is None:

@@ -332,6 +332,8 @@ def test_the_first_admin_inherits_the_single_person_data_and_owners_are_never_re
     for bad in ("", "a b", "x" * 65, "../etc", "名前"):
         with pytest.raises(ValueError, match="user names"):
             users.add(bad, None, admin=False, now=0)
+    with pytest.raises(ValueError, match="reserved"):  # AUTH=none's person; the page tells them apart by it
+        users.add("Local", None, admin=True, now=0)
 
 
 # --- AUTH=header --------------------------------------------------------------------------------
