@@ -27,6 +27,7 @@ from pathlib import Path
 import orjson
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
+from fastapi import HTTPException, Request
 
 from config import Settings
 from storage import atomic_write
@@ -313,6 +314,7 @@ class Accounts:
                 log.warning("failed login for user %r from %s", username, address)
             raise WrongCredentials
         self.limiter.clear(limits[0][0])
+        log.info("user %r logged in from %s", record["name"], address)
         if self.hasher.check_needs_rehash(stored):
             rehashed = await asyncio.to_thread(self.hasher.hash, password)
             self.users.set_password(record["name"], rehashed, end_sessions=False)
@@ -449,10 +451,8 @@ def accounts(app) -> Accounts:
     return found
 
 
-async def current_user(request) -> User:
+async def current_user(request: Request) -> User:
     """FastAPI dependency: the user the Guard recognised (authenticating again if it did not run)."""
-    from fastapi import HTTPException
-
     user = request.scope.get("state", {}).get("chat_user")
     if user is None:
         try:

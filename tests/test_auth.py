@@ -10,13 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typing import Annotated
+
 import httpx
 import orjson
 import pytest
 from argon2 import PasswordHasher
+from fastapi import Depends
 from pydantic import ValidationError
 
-from auth import FAILURES_PER_ADDRESS, FAILURES_PER_USER, LOCAL_OWNER, WINDOW_SECONDS, Accounts, UserFile
+from auth import (FAILURES_PER_ADDRESS, FAILURES_PER_USER, LOCAL_OWNER, WINDOW_SECONDS, Accounts, User, UserFile,
+                  current_user)
 from config import ROOT, Settings
 from server import create_app
 
@@ -334,6 +338,27 @@ def test_the_first_admin_inherits_the_single_person_data_and_owners_are_never_re
             users.add(bad, None, admin=False, now=0)
     with pytest.raises(ValueError, match="reserved"):  # AUTH=none's person; the page tells them apart by it
         users.add("Local", None, admin=True, now=0)
+
+
+async def test_routes_learn_their_user_and_owner_from_one_dependency(tmp_path, sim):
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        upstream_timeout=5, auth="password")
+    users = UserFile(settings.data_dir)
+    users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
+    users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
+    server = Server(settings)
+
+    async def whoami(user: Annotated[User, Depends(current_user)]) -> dict:
+        return {"name": user.name, "admin": user.admin, "owner": user.owner}
+
+    server.app.add_api_route("/api/whoami", whoami)
+    async with server, server.client() as client:
+        assert (await client.get("/api/whoami")).status_code == 401
+        await log_in(client, "alice", A_PASSWORD)
+        assert (await client.get("/api/whoami")).json() == {"name": "alice", "admin": True, "owner": LOCAL_OWNER}
+        await log_in(client, "bob", B_PASSWORD)
+        bob = (await client.get("/api/whoami")).json()
+        assert bob["name"] == "bob" and not bob["admin"] and bob["owner"] == users.find("bob")["owner"]
 
 
 # --- AUTH=header --------------------------------------------------------------------------------
