@@ -35,6 +35,9 @@ DEFAULT_MODEL_PARAMS = {
     "openai/gpt-5-nano": {"reasoning_effort": "minimal"},
     "openai/gpt-5-mini": {"reasoning_effort": "minimal"},
 }
+# Off loopback the token faces every guesser on the network: long and not one repeated character.
+MIN_TOKEN_CHARS = 20
+MIN_TOKEN_DISTINCT = 6
 # Only models seen streaming reasoning text get a live Thinking panel.
 DEFAULT_REASONING_MODELS = "deepseek/deepseek-r1,anthropic/claude-sonnet-4.5"
 
@@ -88,6 +91,13 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(2_097_152, gt=0)
     max_message_chars: int = Field(200_000, gt=0)
 
+    auth: Literal["none", "password", "header"] = "none"
+    auth_header: str = "X-Forwarded-User"
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    admin_users: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    session_hours: float = Field(168, gt=0)
+    pii_masking: Literal["off", "on"] = "off"
+
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
@@ -105,20 +115,37 @@ class Settings(BaseSettings):
             return json.loads(value) if value.strip() else {}
         return value
 
-    @field_validator("allowed_hosts", mode="before")
+    @field_validator("allowed_hosts", "admin_users", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
         if isinstance(value, str):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
 
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [p.strip() for p in value.split(",") if p.strip()]
+        for entry in value or []:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"TRUSTED_PROXIES: {entry!r} is not an IP address or CIDR range") from None
+        return value
+
     @model_validator(mode="after")
     def _token_off_loopback(self) -> "Settings":
-        if not self.is_loopback and not self.access_token:
+        if self.auth == "none" and not self.is_loopback and not self.access_token:
             raise ValueError(
                 f"HOST={self.host} is reachable from other machines: set ACCESS_TOKEN in .env "
-                "so that only people with the token can use this server (or bind to 127.0.0.1)."
+                "so that only people with the token can use this server (or bind to 127.0.0.1), "
+                "or switch on accounts with AUTH=password."
             )
+        if self.auth == "none" and not self.is_loopback and (problem := weak_token(self.access_token)):
+            raise ValueError(f"HOST={self.host} is reachable from other machines and ACCESS_TOKEN {problem}.")
+        if self.auth == "header" and not self.trusted_proxies:
+            raise ValueError("AUTH=header needs TRUSTED_PROXIES: the addresses of the proxy allowed to name the user.")
         return self
 
     @property
@@ -151,6 +178,15 @@ class Settings(BaseSettings):
     def params_for(self, model_id: str) -> dict:
         """Extra request parameters for one model (e.g. reasoning_effort)."""
         return dict(self.model_params.get(model_id, {}))
+
+
+def weak_token(token: str) -> str | None:
+    """Why an ACCESS_TOKEN is too weak to face a network, or None when it is strong enough."""
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"is shorter than {MIN_TOKEN_CHARS} characters; make one with: python -c \"import secrets; print(secrets.token_urlsafe(24))\""
+    if len(set(token)) < MIN_TOKEN_DISTINCT:
+        return f"uses fewer than {MIN_TOKEN_DISTINCT} different characters"
+    return None
 
 
 def get_settings() -> Settings:

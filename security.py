@@ -1,4 +1,4 @@
-"""Guards in front of every route: Host allow-list, Origin check, access token, body limits.
+"""Guards in front of every route: Host allow-list, Origin check, who is asking (auth.py), body limits.
 
 A server on localhost is still reachable from every page the person has open (cross-site
 requests) and from any name that resolves to 127.0.0.1 (DNS rebinding), so each request is
@@ -8,21 +8,20 @@ disconnect detection pass through untouched.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import orjson
 
+from auth import Throttled, accounts, unauthorised_detail
 from config import Settings
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
 STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
-TOKEN_COOKIE = "chat_token"
-# Reachable without the token, so a person can open the page and log in.
-PUBLIC_PATHS = {"/", "/healthz", "/api/login"}
+# Reachable without logging in, so a person can open the page and log in; /api/auth/me answers
+# 401 itself, saying which kind of login the page should offer.
+PUBLIC_PATHS = {"/", "/healthz", "/api/login", "/api/auth/login", "/api/auth/me"}
 # Sent with every answer: no other site may frame the page (clickjacking) or sniff a type into one.
 SECURITY_HEADERS = [
     (b"x-frame-options", b"DENY"),
@@ -40,20 +39,13 @@ def _host_name(value: str) -> str | None:
     return match["name"] if match else None
 
 
-def login_cookie(token: str) -> str:
-    """The login cookie's value: derived from the token, so a copied cookie jar does not hold the token."""
-    return hmac.new(token.encode(), b"chat-server login cookie", hashlib.sha256).hexdigest()
-
-
-def token_matches(offered: str, token: str) -> bool:
-    return hmac.compare_digest(offered.encode(), token.encode())
-
-
-def _json_error(status: int, detail: str) -> list[dict]:
+def _json_error(status: int, detail: str, retry_after: int | None = None) -> list[dict]:
     body = orjson.dumps({"detail": detail})
+    extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
     return [
         {"type": "http.response.start", "status": status,
-         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]},
+         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                     *extra]},
         {"type": "http.response.body", "body": body},
     ]
 
@@ -84,7 +76,7 @@ class Guard:
             self.allowed_hosts = allowed_hosts(self.settings)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope["method"].upper()
-        problem = self._check(scope, headers, method)
+        problem = self._check(scope, headers, method) or await self._authenticate(scope, headers)
         if problem:
             return await self._reply(send, *problem)
         if method in STATE_CHANGING:
@@ -104,10 +96,19 @@ class Guard:
             if parts is None or parts.scheme not in ("http", "https") \
                     or parts.netloc.lower() != headers.get("host", "").lower():
                 return 403, "cross-origin request refused"
-        token = self.settings.access_token
-        if token and scope["path"] not in PUBLIC_PATHS and not scope["path"].startswith("/static/"):
-            if not _authorised(headers, token):
-                return 401, "this server needs its access token (Authorization: Bearer, or log in on the page)"
+        return None
+
+    async def _authenticate(self, scope: dict, headers: dict) -> tuple | None:
+        """Who is asking (auth.Accounts.authenticate), kept in scope["state"]["chat_user"] for the routes."""
+        if scope["path"] in PUBLIC_PATHS or scope["path"].startswith("/static/"):
+            return None
+        try:
+            user = await accounts(scope["app"]).authenticate(scope, headers)
+        except Throttled as exc:
+            return 429, str(exc), exc.retry_after
+        if user is None:
+            return 401, unauthorised_detail(self.settings)
+        scope.setdefault("state", {})["chat_user"] = user
         return None
 
     async def _read_body(self, headers: dict, receive: Callable) -> tuple[bytes, tuple[int, str] | None]:
@@ -137,21 +138,9 @@ class Guard:
         return body, None
 
     @staticmethod
-    async def _reply(send: Callable, status: int, detail: str) -> None:
-        for message in _json_error(status, detail):
+    async def _reply(send: Callable, status: int, detail: str, retry_after: int | None = None) -> None:
+        for message in _json_error(status, detail, retry_after):
             await send(message)
-
-
-def _authorised(headers: dict, token: str) -> bool:
-    """The token as `Authorization: Bearer`, or the login cookie derived from it (constant-time compares)."""
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer " and token_matches(auth[7:].strip(), token):
-        return True
-    for part in headers.get("cookie", "").split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == TOKEN_COOKIE and token_matches(value, login_cookie(token)):
-            return True
-    return False
 
 
 def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:

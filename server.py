@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+import auth_routes
 from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
@@ -59,7 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
-    for module in (site, models, presets, memory, conversations):
+    for module in (site, auth_routes, models, presets, memory, conversations):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app
@@ -136,6 +137,10 @@ def main() -> None:
         import migrate
 
         sys.exit(migrate.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["user"]:  # `python server.py user add NAME [--admin]`, passwd, remove, list
+        import accounts_cli
+
+        sys.exit(accounts_cli.main(sys.argv[2:]))
     try:
         settings = get_settings()
     except ValidationError as exc:

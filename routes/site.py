@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+import auth_routes
 from config import ROOT
 from deps import StateDep
 from schemas import Health, Login
-from security import TOKEN_COOKIE, login_cookie, token_matches
 
 STATIC = ROOT / "static"
 
@@ -40,13 +40,6 @@ async def healthz(state: StateDep) -> dict:
 
 
 @router.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})
-async def login(body: Login, state: StateDep) -> Response:
-    """Trade ACCESS_TOKEN for an HttpOnly, SameSite=Strict cookie the page sends from then on."""
-    token = state.settings.access_token
-    if token is None:
-        return Response(status_code=204)  # nothing to log in to
-    if not token_matches(body.token, token):
-        return JSONResponse({"detail": "wrong access token"}, status_code=401)
-    response = Response(status_code=204)
-    response.set_cookie(TOKEN_COOKIE, login_cookie(token), httponly=True, samesite="strict", path="/")
-    return response
+async def login(body: Login, request: Request) -> Response:
+    """Trade ACCESS_TOKEN for an HttpOnly, SameSite=Strict session cookie (random, expiring)."""
+    return await auth_routes.token_login(request, body.token)

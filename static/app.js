@@ -3,6 +3,7 @@
 // api.js/sse.js; this module decides what happens when.
 
 import { api, ApiError, openTurn } from "./api.js";
+import { showAccountLogin, startAuth } from "./auth.js";
 import { readEvents } from "./sse.js";
 import { SettingsPanel, tierLabel } from "./settings.js";
 import {
@@ -737,7 +738,7 @@ function toast(text) {
 
 function showError(err) {
   console.error(err);
-  if (err?.status === 401) showLogin();
+  if (err?.status === 401) showAccountLogin() || showLogin();
   else toast(err?.message || String(err));
 }
 
@@ -876,4 +877,4 @@ async function boot() {
   document.body.dataset.ready = "true";
 }
 
-boot().catch(showError);
+startAuth().then((ready) => ready && boot()).catch(showError);

@@ -199,7 +199,7 @@ def test_non_loopback_bind_without_access_token_is_refused(host, tmp_path):
     with pytest.raises(ValidationError) as refused:
         Settings(_env_file=None, host=host, data_dir=tmp_path)
     assert "ACCESS_TOKEN" in str(refused.value)
-    assert Settings(_env_file=None, host=host, access_token="t" * 32, data_dir=tmp_path).access_token
+    assert Settings(_env_file=None, host=host, access_token=secrets.token_urlsafe(24), data_dir=tmp_path).access_token
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
