@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
 import context
+import exchange_routes
 from config import ROOT, ModelInfo, Settings, get_settings
 from failures import keep_secret
 from schemas import ConversationCreate, ConversationPatch, Empty, Login, MemoryPut, MessageCreate, ModelCreate
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan)
     install_routes(app)
+    app.include_router(exchange_routes.router)
     app.add_middleware(Guard)
     return app
 
