@@ -14,7 +14,6 @@ conversations are stored, or whose they are.
 
 from __future__ import annotations
 
-import re
 import time
 import unicodedata
 from typing import Callable, Iterator, NotRequired, TypedDict
@@ -173,16 +172,16 @@ def one_line(text: str) -> str:
 def safe_filename(title: str, extension: str) -> str:
     """A file name from a title: letters, digits, spaces, `-` and `_` only, never a path."""
     text = unicodedata.normalize("NFKC", title or "")
-    text = "".join(ch if ch.isalnum() or ch in " -_" else "-" for ch in text)
-    text = re.sub(r"-{2,}", "-", re.sub(r"\s+", " ", text)).strip(" -_.")[:80].strip()
+    text = "".join(ch if ch.isalnum() or ch in "-_" else " " for ch in text)
+    text = " ".join(text.split()).strip(" -_")[:80].strip()
     return f"{text or 'conversation'}.{extension}"
 
 
 def content_disposition(filename: str) -> str:
     """`attachment` with an ASCII fallback name and the real one in RFC 5987 form."""
-    ascii_name = filename.encode("ascii", "ignore").decode() or "conversation"
-    if ascii_name.startswith("."):
-        ascii_name = "conversation" + ascii_name
+    stem, _, extension = filename.rpartition(".")
+    ascii_stem = stem.encode("ascii", "ignore").decode().strip(" -_.")
+    ascii_name = f"{ascii_stem or 'conversation'}.{extension}"
     return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
