@@ -2,8 +2,13 @@
 
 The index lives in `DATA_DIR/search.sqlite3` (WAL). Text is split by FTS5's trigram tokenizer, so
 any script matches as a substring (Korean, Chinese, words inside words). Trigrams need three
-characters; a query word of one or two characters (common in Korean: "서울") is matched by a
-bounded scan of the owner's indexed text instead, newest first.
+characters; a query word of two (common in Korean: "서울") becomes the set of indexed trigrams
+that start with it, read from the index's vocabulary (each text is indexed with a space at both
+ends, so every occurrence has one). A one-character word, or a two-character one so common
+that its set is huge, is checked by scanning the candidates, newest first, bounded.
+
+Results are ranked by bm25; when even the rarest trigram of the query is in thousands of
+messages, ranking all of them would take longer than it helps, and the newest come first.
 
 Every write goes through one connection in one worker thread, in the order the calls were made;
 searches use their own read connections in other threads. The event loop never waits on SQLite.
@@ -40,6 +45,10 @@ SNIPPET_BEFORE = 60
 SNIPPET_AFTER = 120
 # A query of only short words scans text; it stops after this many of the owner's rows.
 SHORT_SCAN_ROWS = 200_000
+# A two-character word starting more distinct trigrams than this is scanned for instead.
+MAX_EXPANSION = 300
+# Above this many candidate messages, bm25 ranking costs more than it helps: newest first.
+RANK_AT_MOST = 3_000
 TITLE = ""  # the message_id of a conversation's title row
 
 SCHEMA = """
@@ -53,13 +62,14 @@ CREATE TABLE IF NOT EXISTS docs (
 CREATE INDEX IF NOT EXISTS docs_owner ON docs (owner, id);
 CREATE VIRTUAL TABLE IF NOT EXISTS fts USING fts5(
     text, content='docs', content_rowid='id', tokenize='trigram');
+CREATE VIRTUAL TABLE IF NOT EXISTS fts_vocab USING fts5vocab(fts, 'row');
 CREATE TRIGGER IF NOT EXISTS docs_ai AFTER INSERT ON docs BEGIN
-    INSERT INTO fts (rowid, text) VALUES (new.id, new.text); END;
+    INSERT INTO fts (rowid, text) VALUES (new.id, ' ' || new.text || ' '); END;
 CREATE TRIGGER IF NOT EXISTS docs_ad AFTER DELETE ON docs BEGIN
-    INSERT INTO fts (fts, rowid, text) VALUES ('delete', old.id, old.text); END;
+    INSERT INTO fts (fts, rowid, text) VALUES ('delete', old.id, ' ' || old.text || ' '); END;
 CREATE TRIGGER IF NOT EXISTS docs_au AFTER UPDATE OF text ON docs BEGIN
-    INSERT INTO fts (fts, rowid, text) VALUES ('delete', old.id, old.text);
-    INSERT INTO fts (rowid, text) VALUES (new.id, new.text); END;
+    INSERT INTO fts (fts, rowid, text) VALUES ('delete', old.id, ' ' || old.text || ' ');
+    INSERT INTO fts (rowid, text) VALUES (new.id, ' ' || new.text || ' '); END;
 """
 
 UPSERT_DOC = """
@@ -74,7 +84,7 @@ ON CONFLICT (owner, conv_id) DO UPDATE SET title = excluded.title, updated_at = 
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """A search as typed, split into the words matched by the index and the short ones scanned for."""
+    """A search as typed: its distinct words, each of which a result must contain."""
 
     terms: tuple[str, ...]
 
@@ -83,18 +93,6 @@ class Query:
         words = [w for w in text.split() if w]
         unique = list(dict.fromkeys(words))[:MAX_TERMS]
         return cls(tuple(unique))
-
-    @property
-    def long(self) -> tuple[str, ...]:
-        return tuple(t for t in self.terms if len(t) >= 3)
-
-    @property
-    def short(self) -> tuple[str, ...]:
-        return tuple(t for t in self.terms if len(t) < 3)
-
-    def match_expression(self) -> str:
-        """Each word as an FTS5 string, so quotes, `*`, `-`, NEAR and parentheses are only text."""
-        return " ".join('"' + t.replace('"', '""') + '"' for t in self.long)
 
     def pattern(self) -> re.Pattern[str]:
         """Any of the words, longest first, case-insensitively: what the snippet marks."""
@@ -120,6 +118,51 @@ def snippet(text: str, query: Query) -> str:
         last = m.end()
     out.append(html.escape(window[last:]))
     return ("…" if start > 0 else "") + "".join(out) + ("…" if end < len(text) else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How to run a query: an FTS5 expression (may be empty), words to scan for, a match estimate."""
+
+    match: str
+    scan: tuple[str, ...]
+    estimate: int
+
+
+def fts_string(text: str) -> str:
+    """`text` as an FTS5 string: quotes, `*`, `-`, NEAR and parentheses inside are only text."""
+    return '"' + text.replace('"', '""') + '"'
+
+
+def plan_query(conn: sqlite3.Connection, query: Query) -> Plan | None:
+    """The plan for `query`, or None when a word occurs nowhere, so nothing can match."""
+    groups, scan, estimate = [], [], None
+    for term in query.terms:
+        folded = term.lower()
+        if len(term) >= 3:
+            count = min(_doc_count(conn, folded[i:i + 3]) for i in range(len(folded) - 2))
+            groups.append(fts_string(term))
+        elif len(term) == 2:
+            trigrams = conn.execute(
+                "SELECT term, doc FROM fts_vocab WHERE term >= ? AND term < ? LIMIT ?",
+                (folded, folded + "\U0010ffff", MAX_EXPANSION + 1)).fetchall()
+            if not trigrams:
+                return None
+            if len(trigrams) > MAX_EXPANSION:
+                scan.append(folded)
+                continue
+            count = sum(doc for _, doc in trigrams)
+            groups.append("(" + " OR ".join(fts_string(t) for t, _ in trigrams) + ")")
+        else:
+            scan.append(folded)
+            continue
+        estimate = count if estimate is None else min(estimate, count)
+    return Plan(" AND ".join(groups), tuple(scan), estimate or 0)
+
+
+def _doc_count(conn: sqlite3.Connection, trigram: str) -> int:
+    row = conn.execute("SELECT doc FROM fts_vocab WHERE term = ?", (trigram,)).fetchone()
+    return row[0] if row else 0
 
 
 def searchable(message: dict) -> tuple[str, str] | None:
@@ -241,20 +284,22 @@ class SearchIndex:
         conn = self._reading()
         if not _has_tables(conn):
             return []
-        short = [t.lower() for t in query.short]
+        plan = plan_query(conn, query)
+        if plan is None:
+            return []
         # lower() folds ASCII only, which is what instr() can compare; other scripts match as typed.
-        short_filter = "".join(" AND instr(lower(d.text), ?) > 0" for _ in short)
-        if query.long:
-            sql = ("SELECT d.conv_id, d.message_id, d.text, c.title, c.updated_at FROM fts "
-                   "JOIN docs d ON d.id = fts.rowid JOIN convs c ON c.owner = d.owner AND c.conv_id = d.conv_id "
-                   f"WHERE fts MATCH ? AND d.owner = ?{short_filter} ORDER BY fts.rank LIMIT ?")
-            params = [query.match_expression(), owner, *short, limit]
+        scan_filter = "".join(" AND instr(lower(d.text), ?) > 0" for _ in plan.scan)
+        columns = "d.conv_id, d.message_id, d.text, c.title, c.updated_at"
+        join = "JOIN convs c ON c.owner = d.owner AND c.conv_id = d.conv_id"
+        if plan.match:
+            order = "fts.rank" if plan.estimate <= RANK_AT_MOST else "fts.rowid DESC"
+            sql = (f"SELECT {columns} FROM fts JOIN docs d ON d.id = fts.rowid {join} "
+                   f"WHERE fts MATCH ? AND d.owner = ?{scan_filter} ORDER BY {order} LIMIT ?")
+            params = [plan.match, owner, *plan.scan, limit]
         else:
-            sql = ("SELECT d.conv_id, d.message_id, d.text, c.title, c.updated_at FROM "
-                   "(SELECT * FROM docs WHERE owner = ? ORDER BY id DESC LIMIT ?) d "
-                   "JOIN convs c ON c.owner = d.owner AND c.conv_id = d.conv_id "
-                   f"WHERE 1{short_filter} ORDER BY d.id DESC LIMIT ?")
-            params = [owner, SHORT_SCAN_ROWS, *short, limit]
+            sql = (f"SELECT {columns} FROM (SELECT * FROM docs WHERE owner = ? ORDER BY id DESC LIMIT ?) d "
+                   f"{join} WHERE 1{scan_filter} ORDER BY d.id DESC LIMIT ?")
+            params = [owner, SHORT_SCAN_ROWS, *plan.scan, limit]
         return [
             {"conversation_id": conv_id, "title": title, "message_id": message_id or None,
              "snippet": snippet(text, query), "updated_at": updated_at}

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from config import Settings
+import search_index
 from search_index import SearchIndex
 from server import create_app
 from simulator import Script, Usage, steps
@@ -50,6 +51,33 @@ async def test_a_korean_word_is_found_in_korean_text_including_two_character_wor
     assert (await index.search("alice", "부산")) == []
     (title_hit,) = await index.search("alice", "계획")
     assert title_hit["message_id"] is None and title_hit["snippet"] == "여행 <mark>계획</mark>"
+
+
+async def test_a_two_character_word_is_found_at_the_end_of_a_text_and_as_the_whole_text(index):
+    conv = conversation("Cities", "가고 싶은 곳은 서울", "서울", "부산에 갑니다")
+    await index.index_conversation("alice", conv)
+    at_end, whole, _ = (m["id"] for m in conv["messages"])
+
+    assert {r["message_id"] for r in await index.search("alice", "서울")} == {at_end, whole}
+    assert hits(await index.search("alice", "곳")) == [(conv["id"], at_end)]  # one character: scanned
+
+
+async def test_a_two_character_word_with_too_many_trigrams_is_scanned_for(index, monkeypatch):
+    conv = conversation("Many", "서울에 서울로 서울은", "대구")
+    await index.index_conversation("alice", conv)
+    monkeypatch.setattr(search_index, "MAX_EXPANSION", 1)
+
+    assert hits(await index.search("alice", "서울")) == [(conv["id"], conv["messages"][0]["id"])]
+
+
+async def test_a_very_common_word_lists_the_newest_first(index, monkeypatch):
+    conv = conversation("Frequency", "common word common word common twice", "filler", "common once among others")
+    await index.index_conversation("alice", conv)
+    denser, _, newer = (m["id"] for m in conv["messages"])
+    assert [r["message_id"] for r in await index.search("alice", "common")] == [denser, newer]  # bm25
+    monkeypatch.setattr(search_index, "RANK_AT_MOST", 0)
+
+    assert [r["message_id"] for r in await index.search("alice", "common")] == [newer, denser]
 
 
 async def test_the_snippet_marks_the_match_and_escapes_the_message_html(index):
