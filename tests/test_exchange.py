@@ -178,6 +178,10 @@ def test_a_file_that_cannot_be_read_says_why(raw, reason):
 
 
 def test_absurd_sizes_are_refused(monkeypatch):
+    monkeypatch.setattr(exchange, "MAX_NODES", 5)
+    with pytest.raises(Unreadable, match="over 5 messages"):
+        parse_import(fixture("chatgpt_conversations.json"))
+    monkeypatch.setattr(exchange, "MAX_NODES", 100)
     monkeypatch.setattr(exchange, "MAX_CONTENT_CHARS", 10)
     with pytest.raises(Unreadable, match="over 10 characters"):
         parse_import(fixture("chatgpt_conversations.json"))

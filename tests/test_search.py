@@ -228,6 +228,23 @@ async def test_search_finds_a_message_in_a_sealed_segment_after_a_restart(app, a
     assert hits(response.json()) == [(cid, old[4]["id"])]
 
 
+async def test_a_restart_indexes_what_was_saved_while_the_index_missed_it(app, api, client, settings):
+    conv = await api.new()
+    assert (await client.get("/api/search", params={"q": "wombat"})).json() == []  # the index is built
+    added = {"id": new_id(), "role": "user", "content": "a wombat in the garden", "created_at": now_iso()}
+    # Saved, but the index write never happened (a crash between the two).
+    await app.state.chat.store.update(conv["id"], lambda c: c["messages"].append(added))
+    await app.state.chat.store.flush()
+
+    restarted = create_app(settings)
+    async with restarted.router.lifespan_context(restarted):
+        transport = httpx.ASGITransport(app=restarted)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as fresh:
+            response = await fresh.get("/api/search", params={"q": "wombat"})
+
+    assert hits(response.json()) == [(conv["id"], added["id"])]
+
+
 async def test_search_validates_its_query(client):
     assert (await client.get("/api/search", params={"q": ""})).status_code == 422
     assert (await client.get("/api/search", params={"q": "x" * 201})).status_code == 422
