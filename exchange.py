@@ -215,12 +215,16 @@ def iter_import(raw: bytes) -> Iterator[tuple[int, int, ImportedConversation]]:
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise Unreadable(f"conversation {i + 1} is not an object")
+        title = item.get("title") if isinstance(item.get("title"), str) else ""
+        where = f"conversation {i + 1}" + (f" (“{one_line(title)[:60]}”)" if title else "")
         try:
-            yield i + 1, len(items), convert(item)
+            converted = convert(item)
         except Unreadable as exc:
-            title = item.get("title") if isinstance(item.get("title"), str) else ""
-            where = f"conversation {i + 1}" + (f" (“{one_line(title)[:60]}”)" if title else "")
             raise Unreadable(f"{where}: {exc.reason}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            # A shape no check above foresaw is still the file's fault, not the server's.
+            raise Unreadable(f"{where}: an unexpected shape ({type(exc).__name__}: {str(exc)[:100]})") from None
+        yield i + 1, len(items), converted
 
 
 def detect(data: object) -> tuple[str, list]:
@@ -421,7 +425,9 @@ def chatgpt_text(content: object) -> str:
 
 
 def from_open_webui(item: dict) -> ImportedConversation:
-    chat = item["chat"]
+    chat = item.get("chat")
+    if not isinstance(chat, dict):
+        raise Unreadable("it has no `chat` object")
     created = iso_from_epoch(item.get("created_at") or chat.get("timestamp"), now_iso())
     history = chat.get("history") if isinstance(chat.get("history"), dict) else None
     messages = history.get("messages") if history else None

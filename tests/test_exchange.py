@@ -168,6 +168,7 @@ UNREADABLE = [
     (chatgpt_with(missing_parent), "not in the file"),
     (chatgpt_with(mapping_not_object), "no `mapping`"),
     (b'[{"title": "t", "mapping": {}}, 7]', "conversation 2 is not an object"),
+    (b'[{"chat": {"history": {"messages": {}}}}, {"title": "Second"}]', "conversation 2 .*no `chat` object"),
 ]
 
 
@@ -175,6 +176,16 @@ UNREADABLE = [
 def test_a_file_that_cannot_be_read_says_why(raw, reason):
     with pytest.raises(Unreadable, match=reason):
         parse_import(raw)
+
+
+def test_odd_field_types_are_tolerated_not_refused():
+    raw = orjson.dumps([{"title": None, "mapping": {"a": {"parent": None, "children": [], "message": {
+        "author": {"role": "user"}, "content": {"content_type": "text", "parts": ["hi", None, 3]},
+        "metadata": {"model_slug": 5}, "create_time": "yesterday"}}}}])
+
+    (conv,) = parse_import(raw)
+
+    assert conv["title"] == "Imported conversation" and [n["content"] for n in conv["nodes"]] == ["hi"]
 
 
 def test_absurd_sizes_are_refused(monkeypatch):
