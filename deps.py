@@ -1,17 +1,19 @@
 """What lifespan builds and routes share, and the dependencies every route receives it through.
 
-`OwnerStoreDep` is the one place a request's owner is decided and its view of the store made:
-a route that takes it can only ever see that owner's conversations, memory and turns.
+`OwnerStoreDep` is the one place a request's owner is decided (from the user `auth` recognised)
+and its view of the store made: a route that takes it can only ever see that owner's
+conversations, memory and turns.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request
 
+from auth import User, current_user
 from config import ModelInfo, Settings
-from storage import LOCAL_OWNER, OwnerStore, Store
+from storage import OwnerStore, Store
 from turns import Turns
 
 
@@ -42,12 +44,24 @@ async def get_state(request: Request) -> State:
 StateDep = Annotated[State, Depends(get_state)]
 
 
-async def get_owner(request: Request) -> str:
+UserDep = Annotated[User, Depends(current_user)]
+
+
+async def get_owner(user: UserDep) -> str:
     """Whose data this request may touch: the one local person while AUTH=none."""
-    return LOCAL_OWNER
+    return user.owner
 
 
 OwnerDep = Annotated[str, Depends(get_owner)]
+
+
+async def require_admin(user: UserDep) -> User:
+    if not user.admin:
+        raise HTTPException(403, "only an administrator may change the model lineup")
+    return user
+
+
+AdminDep = Annotated[User, Depends(require_admin)]
 
 
 async def get_owner_store(state: StateDep, owner: OwnerDep) -> OwnerStore:

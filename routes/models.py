@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from deps import StateDep
+from deps import AdminDep, StateDep
 from schemas import TIERS, Lineup, ModelCreate
 
 router = APIRouter(prefix="/api/models", tags=["models"])
@@ -28,7 +28,7 @@ async def list_models(state: StateDep) -> dict:
 
 
 @router.post("", status_code=201)
-async def add_model(body: ModelCreate, state: StateDep) -> dict:
+async def add_model(body: ModelCreate, state: StateDep, admin: AdminDep) -> dict:
     if any(m.id == body.id for m in await state.lineup()):
         return JSONResponse({"detail": f"{body.id} is already in the lineup"}, status_code=409)
     custom = await state.store.read_custom_models()
@@ -38,7 +38,7 @@ async def add_model(body: ModelCreate, state: StateDep) -> dict:
 
 
 @router.delete("/{model_id:path}", status_code=204)
-async def remove_model(model_id: str, state: StateDep) -> Response:
+async def remove_model(model_id: str, state: StateDep, admin: AdminDep) -> Response:
     if any(m.id == model_id for m in state.settings.lineup()):
         return JSONResponse({"detail": "built-in models are set in MODELS (.env), not here"}, status_code=400)
     custom = await state.store.read_custom_models()
