@@ -21,6 +21,7 @@ from sse_starlette import EventSourceResponse
 import context
 from config import ROOT, ModelInfo, Settings, get_settings
 from failures import keep_secret
+from gateway_probe import gateway_reachable
 from schemas import ConversationCreate, ConversationPatch, Empty, Login, MemoryPut, MessageCreate, ModelCreate
 from security import TOKEN_COOKIE, Guard, login_cookie, token_matches
 from storage import Damaged, NotFound, Store, new_id, now_iso
@@ -68,7 +69,8 @@ class State:
     def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()
         known = {m.id for m in builtin}
-        reasoning = {m.id for m in builtin if m.reasoning}
+        # From the setting itself: a custom model can be a reasoning model too.
+        reasoning = {m.strip() for m in self.settings.reasoning_models.split(",") if m.strip()}
         custom = [
             ModelInfo(m["id"], m.get("tier", "balanced"), m["id"] in reasoning, custom=True)
             for m in self.store.read_custom_models() if m["id"] not in known
@@ -164,7 +166,9 @@ def install_routes(app: FastAPI) -> None:
     @app.get("/healthz")
     async def healthz(state: StateDep) -> dict:
         configured = state.settings.gateway_configured
-        return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo"}
+        reachable = await gateway_reachable(state.settings.gateway_base_url, state.turns.client)
+        return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo",
+                "gateway_reachable": reachable}
 
     @app.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})
     async def login(body: Login, state: StateDep) -> Response:
@@ -344,16 +348,18 @@ def main() -> None:
     import uvicorn
     from pydantic import ValidationError
 
+    import serving
+
     try:
         settings = get_settings()
     except ValidationError as exc:
         sys.exit("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    serving.raise_open_file_limit()
     app = create_app(settings)
     settle_garbage_collector()
-    # No access log: a line per request and per stream is noise beside our own log, and costs CPU.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    uvicorn.run(app, **serving.uvicorn_options(settings))
 
 
 def settle_garbage_collector() -> None:
