@@ -85,7 +85,7 @@ def redact_value(value: object) -> object:
         return redact(value)
     try:
         encoded = orjson.dumps(value)
-    except TypeError:  # not plain JSON: walk it, the walk leaves unknown leaves alone
+    except TypeError:  # not plain JSON (say, int keys): the walk decides
         return _walk(value)
     return _walk(value) if any(secret in encoded for secret in _ENCODED) else value
 
@@ -109,7 +109,11 @@ def _walk(value: object) -> object:
         if all(a is b for a, b in zip(items, value)):
             return value
         return items if isinstance(value, list) else tuple(items)
-    return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    # A dataclass or other object could hold the secret where the walk cannot replace it.
+    raise TypeError(f"redact_value takes JSON-like values, not {type(value).__name__}; "
+                    "encode it and use redact_json")
 
 
 def _same_dict(new: dict, old: dict) -> bool:

@@ -221,6 +221,17 @@ def test_redact_with_no_secret_kept_is_the_identity_and_cheap(monkeypatch):
     assert time.perf_counter_ns() - started < 50_000_000
 
 
+def test_redact_value_refuses_objects_it_cannot_rewrite(secret):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Frame:
+        text: str
+
+    with pytest.raises(TypeError):
+        redact_value({"frame": Frame(f"key {secret}")})
+
+
 def test_redact_json_keeps_the_json_valid_even_when_a_match_starts_inside_an_escape(monkeypatch):
     monkeypatch.setattr(failures, "_SECRETS", [])
     monkeypatch.setattr(failures, "_ENCODED", [])
