@@ -4,6 +4,10 @@
 vendor shapes, an error object inside a stream, a refusal finish reason, or a transport
 exception) and return an `UpstreamError`. The body is read before the status: the same status
 means different things on different gateways (a 429 can be a quota, a 403 a moderation flag).
+A `rate_limited` error always says how long to wait; a request the gateway rejects as malformed
+is marked so and is never retryable; every message is cut to what a person can read.
+The gateway key is redacted here, in one place: `redact` (text), `redact_value` (JSON-like
+values), `redact_json` (encoded JSON) and `StreamRedactor` (text streamed in pieces).
 This module knows nothing of conversations or of how a kind is shown.
 """
 
