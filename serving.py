@@ -8,10 +8,10 @@ here is uvicorn's own with three additions:
 
 - a head timer: a connection that has not sent a complete request head within `header_timeout`
   seconds of opening (or of the first byte of its next request) is closed;
-- a cap on open connections: at the cap, the connection that has waited longest for its head
-  is closed to make room (a person's request completes its head in milliseconds, a trickling
-  socket never does); only when every connection is busy with a real request does the newcomer
-  get a 503;
+- a cap on open connections: at the cap, the idle connection (no request in progress: still
+  sending its head, or kept alive after a response) that has been idle longest is closed to
+  make room (a person's request completes its head in milliseconds, a trickling socket never
+  does); only when every connection is busy with a real request does the newcomer get a 503;
 - one log line per interval saying how many connections were shed and why.
 
 The open-file soft limit is raised to the hard limit at start, and the cap kept below it, so
@@ -82,7 +82,7 @@ class _Shed:
 
 def guarded_protocol(max_connections: int, header_timeout: float) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with a request-head timeout and a connection cap, for one server."""
-    waiting: dict[Any, None] = {}  # connections without a complete head, oldest first
+    idle: dict[Any, None] = {}  # connections with no request in progress, longest idle first
     shed = _Shed()
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
@@ -102,29 +102,34 @@ def guarded_protocol(max_connections: int, header_timeout: float) -> type[asynci
             elif self._head_timer is None and (before is None or before.response_complete):
                 self._await_head()  # the first bytes of a next request on a kept-alive connection
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                idle[self] = None  # kept alive for a next request: uvicorn's keep-alive timer bounds it
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._head_done()
             super().connection_lost(exc)
 
         def _await_head(self) -> None:
-            waiting[self] = None
+            idle[self] = None
             self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
 
         def _head_done(self) -> None:
-            waiting.pop(self, None)
+            idle.pop(self, None)
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
-            waiting.pop(self, None)
+            idle.pop(self, None)
             if not self.transport.is_closing():
                 shed.note("head_timeout", max_connections, header_timeout)
                 self.transport.close()
 
         def _make_room(self) -> None:
-            oldest = next((c for c in waiting if c is not self), None)
+            oldest = next((c for c in idle if c is not self), None)
             if oldest is not None:
                 shed.note("evicted", max_connections, header_timeout)
                 oldest._head_done()

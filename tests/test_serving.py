@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import select
 import socket
@@ -12,6 +13,7 @@ import time
 import httpx
 
 import serving
+from simulator import Script, steps
 from support import ROOT, LiveServer
 
 # `make run` is `python server.py`, i.e. server.main(); the port comes from PORT like any setting.
@@ -101,3 +103,73 @@ def test_connection_cap_fits_each_connection_and_its_upstream_socket_in_the_file
     assert serving.connection_cap(1000, 1024) == (1024 - serving.RESERVED_FILES) // 2
     assert serving.connection_cap(100, 20_000) == 100
     assert serving.connection_cap(1000, resource.RLIM_INFINITY) == 1000
+
+
+def test_when_every_connection_is_busy_a_newcomer_gets_503_and_is_served_once_one_frees(tmp_path, sim):
+    sim.enqueue(*[Script(steps=[steps.Text("first words"), steps.Sleep(20), steps.Text("never")])] * 2)
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "MAX_CONNECTIONS": "2",
+                                            "UPSTREAM_TIMEOUT": "30"}, launch=MAKE_RUN)
+    try:
+        conv_ids = []
+        for _ in range(2):
+            conv_id = httpx.post(f"{server.base_url}/api/conversations", json={}).json()["id"]
+            httpx.patch(f"{server.base_url}/api/conversations/{conv_id}",
+                        json={"settings": {"web_search": False, "web_fetch": False}})
+            conv_ids.append(conv_id)
+        with contextlib.ExitStack() as streams:
+            readers = []  # kept: dropping a half-read line iterator closes its connection
+            for conv_id in conv_ids:  # two replies streaming: both connections busy with real requests
+                response = streams.enter_context(httpx.stream(
+                    "POST", f"{server.base_url}/api/conversations/{conv_id}/messages",
+                    json={"content": "tell me"}, timeout=10))
+                readers.append(response.iter_lines())
+                assert any(line.startswith("event: delta") for line in readers[-1])
+
+            busy = httpx.get(f"{server.base_url}/healthz", timeout=5)
+            assert busy.status_code == 503 and "too many connections" in busy.text
+
+        # The streams closed: room again.
+        assert eventually_ok(lambda: httpx.get(f"{server.base_url}/healthz", timeout=5).status_code == 200)
+        assert "refused with 503" in server.log()
+    finally:
+        server.stop()
+
+
+def eventually_ok(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response with a content-length body, so nothing of it is left to read."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return data
+
+
+def test_at_the_cap_an_idle_kept_alive_connection_makes_room_for_a_newcomer(tmp_path, sim):
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "MAX_CONNECTIONS": "2"},
+                        launch=MAKE_RUN)
+    kept: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 200 "), "a newcomer was refused while others sat idle"
+            kept.append(sock)  # answered and kept alive: idle until uvicorn's keep-alive timer ends it
+        kept[0].settimeout(5)
+        assert kept[0].recv(1) == b"", "the longest idle connection was not the one closed"
+        assert "closed to make room at the cap of 2 connections" in server.log()
+    finally:
+        for sock in kept:
+            sock.close()
+        server.stop()
