@@ -275,3 +275,19 @@ def test_stream_redactor_releases_a_lookalike_prefix_once_it_diverges(secret):
     assert first + second + redactor.flush() == "the prefix sk-or is not a key"
     assert redactor.feed("ends with sk-o") == "ends with "
     assert redactor.flush() == "sk-o"
+
+
+def test_stream_redactor_output_equals_redacting_the_whole_text_for_any_split(secret):
+    import random
+
+    from failures import redact
+
+    rng = random.Random(11)
+    text = f"a{secret}b {secret[:9]} {secret}{secret} sk- end {secret[:-1]}"
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        redactor = StreamRedactor()
+        sent = [redactor.feed(p) for p in pieces] + [redactor.flush()]
+        assert "".join(sent) == redact(text), pieces
+        assert not any(secret in s for s in sent)
