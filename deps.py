@@ -28,7 +28,8 @@ class State:
     async def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()
         known = {m.id for m in builtin}
-        reasoning = {m.id for m in builtin if m.reasoning}
+        # From the setting itself: a custom model can be a reasoning model too.
+        reasoning = {m.strip() for m in self.settings.reasoning_models.split(",") if m.strip()}
         custom = [
             ModelInfo(m["id"], m.get("tier", "balanced"), m["id"] in reasoning, custom=True)
             for m in await self.store.read_custom_models() if m["id"] not in known

@@ -141,6 +141,7 @@ class Health(TypedDict):
     ok: bool
     gateway_configured: bool
     gateway: Literal["demo", "configured"]
+    gateway_reachable: bool | None
 
 
 class MemoryText(TypedDict):

@@ -142,16 +142,18 @@ def main() -> None:
         import accounts_cli
 
         sys.exit(accounts_cli.main(sys.argv[2:]))
+    import serving
+
     try:
         settings = get_settings()
     except ValidationError as exc:
         sys.exit("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    serving.raise_open_file_limit()
     app = create_app(settings)
     settle_garbage_collector()
-    # No access log: a line per request and per stream is noise beside our own log, and costs CPU.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    uvicorn.run(app, **serving.uvicorn_options(settings))
 
 
 def settle_garbage_collector() -> None:

@@ -370,6 +370,71 @@ class errors:
             "type": None, "param": None, "code": "503"}})
 
     @staticmethod
+    def litellm_invalid_model(model: str = "vendor/unknown-model", anthropic_route: bool = False) -> Script:
+        """400 "Invalid model name passed in model=x" (LiteLLM proxy 1.108, chat or its Anthropic route)."""
+        where = "completion" if anthropic_route else "/chat/completions"
+        return Script(status=400, error_body={"error": {
+            "message": f"{where}: Invalid model name passed in model={model}. Call `/v1/models` to view "
+                       "available models for your key.",
+            "type": "None", "param": "None", "code": "400"}})
+
+    @staticmethod
+    def litellm_rate_limit(retry_after: float = 7) -> Script:
+        """429 whose provider headers LiteLLM relabelled `llm_provider-*`: no plain Retry-After."""
+        return Script(status=429, headers={
+            "llm_provider-retry-after": f"{retry_after:g}",
+            "llm_provider-x-ratelimit-remaining-requests": "0",
+        }, error_body={"error": {
+            "message": "litellm.RateLimitError: RateLimitError: OpenAIException - Rate limit reached for "
+                       "gpt-4o in organization org-simulated on requests per min (RPM): Limit 500, Used 500, "
+                       "Requested 1. Received Model Group=gpt-4o\nAvailable Model Group Fallbacks=None",
+            "type": "throttling_error", "param": "None", "code": "429"}})
+
+    @staticmethod
+    def openai_rate_limit_reset_headers(requests: str = "1s", tokens: str = "6m0s") -> Script:
+        """429 that says when only through `x-ratelimit-reset-*` durations, tokens exhausted (OpenAI-style)."""
+        return Script(status=429, headers={
+            "x-ratelimit-limit-requests": "500", "x-ratelimit-remaining-requests": "499",
+            "x-ratelimit-reset-requests": requests,
+            "x-ratelimit-limit-tokens": "30000", "x-ratelimit-remaining-tokens": "0",
+            "x-ratelimit-reset-tokens": tokens,
+        }, error_body={"error": {
+            "message": "Rate limit reached for gpt-4o in organization org-simulated on tokens per min (TPM).",
+            "type": "tokens", "param": None, "code": "rate_limit_exceeded"}})
+
+    @staticmethod
+    def rate_limit_without_hint() -> Script:
+        """429 that names no wait anywhere (some proxies strip every header)."""
+        return Script(status=429, error_body={"error": {"message": "Too many requests", "code": 429}})
+
+    @staticmethod
+    def llamacpp_validation_500(body: Mapping | None = None) -> Script:
+        """500 with a pydantic dump, as llama-cpp-python's server answers a request its schema rejects.
+
+        Its route handler turns every exception, request validation included, into a 500
+        `internal_server_error` whose message is the exception's text. Given the request `body`,
+        the dump names its first system message whose content is not a string, as 0.3.x does.
+        """
+        messages = (body or {}).get("messages") or [{"role": "system", "content": [{"type": "text", "text": "…"}]}]
+        index, content = next(((i, m.get("content")) for i, m in enumerate(messages)
+                               if m.get("role") == "system" and not isinstance(m.get("content"), str)),
+                              (0, messages[0].get("content")))
+        roles = {"ChatCompletionRequestUserMessage": "user", "ChatCompletionRequestAssistantMessage": "assistant",
+                 "ChatCompletionRequestToolMessage": "tool", "ChatCompletionRequestFunctionMessage": "function"}
+        lines = [f"  {{'type': 'string_type', 'loc': ('body', 'messages', {index}, "
+                 f"'ChatCompletionRequestSystemMessage', 'content'), 'msg': 'Input should be a valid string', "
+                 f"'input': {content!r}}}"]
+        lines += [f"  {{'type': 'literal_error', 'loc': ('body', 'messages', {index}, '{model}', 'role'), "
+                  f"'msg': \"Input should be '{role}'\", 'input': 'system', 'ctx': {{'expected': \"'{role}'\"}}}}"
+                  for model, role in roles.items()]
+        lines += [f"  {{'type': 'missing', 'loc': ('body', 'messages', {index}, '{model}', 'tool_call_id'), "
+                  f"'msg': 'Field required', 'input': {messages[index]!r}}}"
+                  for model in ("ChatCompletionRequestToolMessage",)]
+        message = f"{len(lines)} validation errors:\n" + "\n".join(lines)
+        return Script(status=500, error_body={"error": {
+            "message": message, "type": "internal_server_error", "param": None, "code": None}})
+
+    @staticmethod
     def vllm_context_overflow(legacy: bool = False) -> Script:
         """400 context overflow in vLLM's current shape, or its older top-level shape."""
         message = ("This model's maximum context length is 32768 tokens. However, you requested 33792 "
@@ -1117,18 +1182,33 @@ class _QuietServer(uvicorn.Server):
             task.cancel()
 
 
+# Requests remembered when the caller does not say: each holds a whole prompt, and the demo
+# gateway inside the server runs for as long as the server does.
+DEFAULT_KEEP_REQUESTS = 32
+
+
 class GatewaySimulator:
-    """A loopback gateway serving both wire formats; scripted per request, recording what it saw."""
+    """A loopback gateway serving both wire formats; scripted per request, recording what it saw.
+
+    Only the last `keep_requests` requests are kept (`requests`); indexes given to the `wait_for_*`
+    methods count every request since start or `reset`. `string_system_only` answers like
+    llama-cpp-python: a chat request whose system content is not a string gets its 500.
+    """
 
     def __init__(self, reasoning_models: Iterable[str] = frozenset(), cache_min_tokens: int = 1024,
-                 cache_ttl_seconds: float = 300) -> None:
+                 cache_ttl_seconds: float = 300, *, keep_requests: int = DEFAULT_KEEP_REQUESTS,
+                 string_system_only: bool = False) -> None:
+        if keep_requests < 1:
+            raise ValueError("keep_requests must be at least 1")
         self.reasoning_models = set(reasoning_models)
         self.cache_min_tokens = cache_min_tokens
         self.cache_ttl_seconds = cache_ttl_seconds
+        self.string_system_only = string_system_only
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._queue: deque[Script] = deque()
-        self._requests: list[RecordedRequest] = []
+        self._requests: deque[RecordedRequest] = deque(maxlen=keep_requests)
+        self._received = 0  # every request since start or reset, kept or not
         self._cache: dict[str, float] = {}
         self._stats = CacheStats()
         self._server: uvicorn.Server | None = None
@@ -1238,7 +1318,7 @@ class GatewaySimulator:
 
     @property
     def requests(self) -> list[RecordedRequest]:
-        """Every request so far, in arrival order (a snapshot list of live records)."""
+        """The kept requests (the last `keep_requests`), in arrival order (a snapshot list of live records)."""
         with self._lock:
             return list(self._requests)
 
@@ -1250,15 +1330,24 @@ class GatewaySimulator:
 
     def wait_for_requests(self, n: int, timeout: float = 5.0) -> list[RecordedRequest]:
         """Block until at least `n` requests have arrived; TimeoutError otherwise."""
+        return self._wait(n, timeout)[1]
+
+    def _wait(self, n: int, timeout: float) -> tuple[int, list[RecordedRequest]]:
+        """(requests received so far, the kept ones), taken together once at least `n` arrived."""
         with self._arrived:
-            if not self._arrived.wait_for(lambda: len(self._requests) >= n, timeout):
-                raise TimeoutError(f"{len(self._requests)} of {n} requests arrived within {timeout}s")
-            return list(self._requests)
+            if not self._arrived.wait_for(lambda: self._received >= n, timeout):
+                raise TimeoutError(f"{self._received} of {n} requests arrived within {timeout}s")
+            return self._received, list(self._requests)
 
     def wait_for_disconnect(self, index: int = -1, timeout: float = 5.0) -> RecordedRequest:
         """Block until request `index`'s client hung up; TimeoutError if it did not within `timeout`."""
         deadline = time.monotonic() + timeout
-        record = self.wait_for_requests(index + 1 if index >= 0 else 1, timeout)[index]
+        received, kept = self._wait(index + 1 if index >= 0 else 1, timeout)
+        if index >= 0:
+            index -= received - len(kept)  # an index counts every request; the list holds the last few
+            if index < 0:
+                raise IndexError("that request is older than the kept records (keep_requests)")
+        record = kept[index]
         if not record.ended.wait(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"request {index} was still being answered after {timeout}s")
         if record.disconnected_at is None:
@@ -1271,6 +1360,7 @@ class GatewaySimulator:
         with self._lock:
             self._queue.clear()
             self._requests.clear()
+            self._received = 0
             self._cache.clear()
             self._stats = CacheStats()
 
@@ -1294,6 +1384,9 @@ class GatewaySimulator:
         """Decide the reply: a validation error, a scripted error, a stream, or a completion."""
         if (problem := _validate(path, body)) is not None:
             return _error_reply(path, _invalid(path, problem))
+        if self.string_system_only and path == CHAT_PATH and any(
+                m.get("role") == "system" and not isinstance(m.get("content"), str) for m in body["messages"]):
+            return _error_reply(path, errors.llamacpp_validation_500(body))
         with self._lock:
             script = self._queue.popleft() if self._queue else None
         if script is not None and script.status != 200:
@@ -1311,7 +1404,7 @@ class GatewaySimulator:
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == STATS_PATH:
             with self._lock:
-                stats = {"requests": len(self._requests), "queued": len(self._queue),
+                stats = {"requests": self._received, "queued": len(self._queue),
                          "cache": dataclasses.asdict(self._stats)}
             await _send_whole(send, 200, stats)
             return
@@ -1331,6 +1424,7 @@ class GatewaySimulator:
             record.ended.set()
         with self._arrived:
             self._requests.append(record)
+            self._received += 1
             self._arrived.notify_all()
         if raw is None:
             return

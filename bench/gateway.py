@@ -55,7 +55,7 @@ def serve(conn: Connection, port: int) -> None:
     sys.path.insert(0, str(ROOT))
     from simulator import GatewaySimulator
 
-    sim = GatewaySimulator().start(port=port)
+    sim = GatewaySimulator(keep_requests=100_000).start(port=port)  # every stream of a phase is reported
     conn.send(sim.base_url)
     while True:
         command, *args = conn.recv()

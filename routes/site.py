@@ -9,6 +9,7 @@ from fastapi.staticfiles import StaticFiles
 import auth_routes
 from config import ROOT
 from deps import StateDep
+from gateway_probe import gateway_reachable
 from schemas import Health, Login
 
 STATIC = ROOT / "static"
@@ -36,7 +37,9 @@ async def page() -> Response:
 @router.get("/healthz", response_model=Health)
 async def healthz(state: StateDep) -> dict:
     configured = state.settings.gateway_configured
-    return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo"}
+    reachable = await gateway_reachable(state.settings.gateway_base_url, state.turns.gateway.client)
+    return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo",
+            "gateway_reachable": reachable}
 
 
 @router.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})

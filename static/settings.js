@@ -205,9 +205,11 @@ export class SettingsPanel {
     const health = this.app.health();
     $("gateway-status").textContent = !health
       ? "Gateway status unknown."
-      : health.gateway_configured
-        ? "Connected to a configured gateway. If it rejects the key, fix GATEWAY_API_KEY in .env."
-        : "Using the built-in demo gateway: replies are simulated.";
+      : !health.gateway_configured
+        ? "Using the built-in demo gateway: replies are simulated."
+        : health.gateway_reachable === false
+          ? "The configured gateway does not answer: check that it is running and GATEWAY_BASE_URL in .env."
+          : "Connected to a configured gateway. If it rejects the key, fix GATEWAY_API_KEY in .env.";
   }
 }
 

@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def sim():
-    with GatewaySimulator() as simulator:
+    with GatewaySimulator(keep_requests=1000) as simulator:
         yield simulator
 
 

@@ -9,6 +9,7 @@ what the person typed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -57,16 +58,25 @@ class Ledger:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.turns: dict[str, list[tuple[str, str]]] = {}  # conv id -> [(user content, assistant id)]
         self.prompt: dict[str, int] = {}                    # conv id -> last acknowledged PATCH number
         self.memory = -1
         self.created: set[str] = set()
         self.deleted: set[str] = set()
         self.writes = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def wait_for_each(self, kinds: tuple[str, ...], since: dict[str, int], timeout: float) -> bool:
+        """Block until each kind has a write acknowledged beyond `since`; False after `timeout` seconds."""
+        with self.changed:
+            return self.changed.wait_for(lambda: all(self.counts[k] > since.get(k, 0) for k in kinds), timeout)
 
     def commit(self, kind: str, *args) -> None:
         with self.lock:
             self.writes += 1
+            self.counts[kind] += 1
+            self.changed.notify_all()
             match kind:
                 case "turn":
                     conv_id, content, assistant_id = args
@@ -190,17 +200,19 @@ def test_sigkill_during_turns_and_edits_never_loses_a_committed_write(tmp_path, 
             workers += [threading.Thread(target=patch_worker, args=(server.base_url, conv_id, numbers(), ledger, stop))
                         for conv_id in conv_ids]
             workers.append(threading.Thread(target=misc_worker, args=(server.base_url, numbers(), ledger, stop)))
+            before = dict(ledger.counts)
             for worker in workers:
                 worker.start()
-            writes_before = ledger.writes
-            time.sleep(0.3 + 0.1 * round_)
+            # Killed once every kind of write was acknowledged this round, not after a fixed sleep:
+            # on a busy machine nothing may be acknowledged by then. The other writers are mid-way.
+            acknowledged = ledger.wait_for_each(("turn", "prompt", "memory"), before, timeout=30)
             os.kill(server.process.pid, signal.SIGKILL)
             server.process.wait()
             server._log.close()
             stop.set()
             for worker in workers:
                 worker.join(15)
-            assert ledger.writes > writes_before, "nothing was written before the kill"
+            assert acknowledged, f"not every kind of write was acknowledged within 30 s: {ledger.counts}"
             check_disk(data_dir, ledger)
     finally:
         if server.process.poll() is None:

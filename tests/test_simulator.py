@@ -25,7 +25,7 @@ REASONER = "sim/reasoner"
 
 @pytest.fixture(scope="module")
 def running():
-    with GatewaySimulator(reasoning_models={REASONER}) as sim:
+    with GatewaySimulator(reasoning_models={REASONER}, keep_requests=1000) as sim:
         yield sim
 
 

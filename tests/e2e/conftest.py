@@ -35,7 +35,7 @@ def browser() -> Browser:
 
 @pytest.fixture(scope="module")
 def gateway():
-    with GatewaySimulator() as sim:
+    with GatewaySimulator(keep_requests=1000) as sim:
         yield sim
 
 

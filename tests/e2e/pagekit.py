@@ -41,6 +41,9 @@ def open_page(browser: Browser, base_url: str, **context_options) -> Page:
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Anything the Content-Security-Policy blocked is a fault of the page, in every test.
+    page.on("console", lambda msg: errors.append(msg.text)
+            if msg.type == "error" and "Content Security Policy" in msg.text else None)
     page.js_errors = errors
     page.goto(base_url)
     expect(page.locator("body")).to_have_attribute("data-ready", "true")
