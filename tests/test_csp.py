@@ -8,7 +8,7 @@ import pytest
 
 from security import CONTENT_SECURITY_POLICY
 from support import parse_sse
-from server import STATIC
+from routes.site import STATIC
 from simulator import Script, steps
 
 
