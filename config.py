@@ -86,6 +86,8 @@ class Settings(BaseSettings):
     access_token: str | None = Field(default=None, repr=False)
     max_request_bytes: int = Field(2_097_152, gt=0)
     max_message_chars: int = Field(200_000, gt=0)
+    max_attachment_bytes: int = Field(20_971_520, gt=0)
+    max_attachment_pages: int = Field(1000, gt=0)
 
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", mode="before")
     @classmethod

@@ -87,7 +87,7 @@ class Guard:
         problem = self._check(scope, headers, method)
         if problem:
             return await self._reply(send, *problem)
-        if method in STATE_CHANGING:
+        if method in STATE_CHANGING and not _is_upload(scope["path"], headers):
             body, problem = await self._read_body(headers, receive)
             if problem:
                 return await self._reply(send, *problem)
@@ -140,6 +140,12 @@ class Guard:
     async def _reply(send: Callable, status: int, detail: str) -> None:
         for message in _json_error(status, detail):
             await send(message)
+
+
+def _is_upload(path: str, headers: dict) -> bool:
+    """A multipart file upload: its route streams the body itself under MAX_ATTACHMENT_BYTES."""
+    return headers.get("content-type", "").lower().startswith("multipart/form-data") and (
+        path.endswith("/attachments") or path in ("/api/library", "/api/import"))
 
 
 def _authorised(headers: dict, token: str) -> bool:

@@ -18,6 +18,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
+import attachment_routes
 import context
 from config import ROOT, ModelInfo, Settings, get_settings
 from failures import keep_secret
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan)
     install_routes(app)
+    app.include_router(attachment_routes.router)
     app.add_middleware(Guard)
     return app
 
