@@ -222,12 +222,13 @@ def media_type(kind: str, name: str) -> str:
 
 # -- extraction (runs in a worker thread) ------------------------------------------------------
 
-_KEEP = {"\n", "\t"}
+# Control characters but tab and newline, and lone surrogates. A regex, not a loop over characters:
+# the worker thread holds the GIL while it runs, and the event loop waits for the GIL meanwhile.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def _clean(text: str) -> str:
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return "".join(c for c in text if c in _KEEP or unicodedata.category(c) not in ("Cc", "Cs"))
+    return _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 def _section(page: int, label: str, text: str) -> dict:
