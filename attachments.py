@@ -360,7 +360,8 @@ def extract_text(path: Path, cancelled: threading.Event) -> list[dict]:
 # Hangul (syllables, jamo), kana and CJK ideographs. Korean glues particles to words ("감귤은") and
 # Japanese and Chinese put no spaces at all, so such runs become overlapping character bigrams;
 # other scripts become lower-cased word tokens.
-_CJK = "\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f"
+_CJK = ("\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff"
+        "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f")
 _TOKEN = re.compile(f"([{_CJK}]+)|[^\\W{_CJK}]+")
 
 
@@ -565,7 +566,7 @@ class Attachments:
             await asyncio.to_thread(shutil.rmtree, doomed, True)
 
     def check_ids(self, scope: Scope, ids: list[str]) -> list[str]:
-        """`ids` when each names an attachment of `scope`; AttachmentNotFound naming the first that does not."""
+        """`ids` when each names an attachment of `scope`; AttachmentNotFound otherwise."""
         for attachment_id in ids:
             self.get(scope, attachment_id)
         return list(ids)
@@ -683,7 +684,9 @@ def _where(passage: Passage) -> str:
 
 
 async def search_attachments(query: str) -> AttachmentToolResult:
-    """Search the files attached to this conversation (and the person's library, when enabled) for passages about `query`.
+    """Search the attached files for passages about `query`: the best ones, with file name and page.
+
+    Sees the files of this conversation, and the person's library when the conversation enables it.
 
     Args:
         query: what to look for, in words likely to appear in the file (any language).
@@ -726,8 +729,11 @@ def _find(scope: AttachmentScope, name: str) -> tuple[Scope, dict] | None:
     return None
 
 
-async def read_attachment(name: str, start_page: int = 1, end_page: int | None = None) -> AttachmentToolResult:
-    """Read the text of pages start_page to end_page of an attached file (sections for DOCX and text files); long ranges are cut short.
+async def read_attachment(name: str, start_page: int = 1,
+                          end_page: int | None = None) -> AttachmentToolResult:
+    """Read pages start_page to end_page of an attached file; a long range is cut short.
+
+    DOCX and text files have numbered sections instead of pages.
 
     Args:
         name: the file's name as listed (e.g. "report.pdf").

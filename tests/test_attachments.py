@@ -184,7 +184,7 @@ async def test_each_concurrent_scope_sees_only_its_own_files_and_the_library_whe
     first, second = await api.new(), await api.new()
     a = (await upload(client, first["id"], "a.txt", b"The launch code is alpha red.")).json()
     b = (await upload(client, second["id"], "b.txt", b"The launch code is bravo blue.")).json()
-    response = await client.post("/api/library", files={"file": ("lib.md", b"# Library\nThe launch code is charlie.")})
+    response = await upload(client, "", "lib.md", b"# Library\nThe launch code is charlie.", "/api/library")
     assert response.status_code == 201, response.text
     lib = response.json()
     assert [x["id"] for x in (await client.get("/api/library")).json()] == [lib["id"]]
@@ -287,7 +287,7 @@ async def test_crafted_file_names_are_stored_as_text_and_never_as_paths(api, cli
     long_name = "a" * 296 + ".txt"
     cases = [
         (b"../../x.json", b'{"a": 1}', "../../x.json"),
-        ("<img src=x onerror=alert(1)>.pdf".encode(), make_pdf(["hello"]), "<img src=x onerror=alert(1)>.pdf"),
+        (b"<img src=x onerror=alert(1)>.pdf", make_pdf(["hello"]), "<img src=x onerror=alert(1)>.pdf"),
         (long_name.encode(), b"long", "a" * 251 + ".txt"),
         ("evil\x01\x1b[31m\x7fname\u202etxt.exe.txt".encode(), b"evil", "evil[31mnametxt.exe.txt"),
     ]
