@@ -24,6 +24,7 @@ from attachments import (
     AttachmentError, Attachments, Limits, Scope, TooLarge, content_disposition, conversation_scope,
     library_scope, public,
 )
+from storage import NotFound
 
 router = APIRouter(tags=["attachments"])
 
@@ -55,6 +56,7 @@ async def get_attachments(request: Request) -> Attachments:
         attachments = state.attachments = Attachments(
             settings.data_dir / "attachments",
             Limits(max_bytes=settings.max_attachment_bytes, max_pages=settings.max_attachment_pages))
+        attachments.sweep()
     return attachments
 
 
@@ -228,7 +230,7 @@ async def upload_to_conversation(conv_id: ConversationDep, request: Request,
     stored = await _upload(request, attachments, scope)
     try:
         await conversation_exists(conv_id, request)
-    except Exception:
+    except NotFound:
         await attachments.delete_scope(scope)  # the conversation was deleted during the upload
         raise
     return stored

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import unicodedata
 import zipfile
 from collections import OrderedDict
@@ -445,6 +446,27 @@ class Attachments:
     def _changed(self, scope: Scope) -> None:
         self._metas.pop(scope.key, None)
         self._generation[scope.key] = self._generation.get(scope.key, 0) + 1
+
+    def sweep(self, older_than: float = 3600.0) -> None:
+        """Remove what a crash left behind: partial uploads, staging and half-deleted directories.
+
+        Only leftovers older than `older_than` seconds go, so an upload under way in another
+        process sharing the directory is never touched.
+        """
+        cutoff = time.time() - older_than
+        leftovers = [*self.incoming.glob("upload-*.part"), *self.root.glob("*/.staging-*"),
+                     *self.root.glob("library/*/.staging-*"), *self.root.glob(".deleting-*"),
+                     *self.root.glob("*/.deleting-*"), *self.root.glob("library/*/.deleting-*")]
+        for path in leftovers:
+            try:
+                if path.lstat().st_mtime >= cutoff:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            except OSError as exc:
+                log.warning("could not remove leftover %s: %s", path.name, exc)
 
     def incoming_file(self) -> tuple[int, Path]:
         """A new temporary file for an upload, on the same filesystem as the attachments."""

@@ -377,3 +377,48 @@ async def test_deleting_a_scope_removes_its_files_and_search_forgets_them(api, c
         assert (await search_attachments("launch code")).text == "No files are attached to this conversation."
     assert stored_files(settings.data_dir) == []
     assert os.listdir(settings.data_dir / "attachments") == [".incoming"]
+
+
+async def test_library_routes_and_docx_sections(client, app):
+    notes = make_docx([("Introduction", "The project started in spring."),
+                       ("Budget", "The budget for the pilot is 40,000 euros.")])
+    stored = (await upload(client, "", "notes.docx", notes, "/api/library")).json()
+    download = await client.get(f"/api/library/{stored['id']}")
+    assert download.content == notes and download.headers["content-type"] == att.MEDIA_DOCX
+    first = (await client.post("/api/conversations", json={})).json()
+    with attachment_context(store(app), first["id"], "local", library=True):
+        found = await search_attachments("pilot budget")
+        read = await read_attachment("NOTES.DOCX", 2)
+        listing = attachment_listing(att.attachment_scope.get())
+    assert found.passages[0]["source"] == "library" and "notes.docx §2 (Budget)" in found.text
+    assert "40,000 euros" in read.text and "spring" not in read.text
+    assert "Files in the person's library:\n- notes.docx (2 sections)" in listing
+    assert (await client.delete(f"/api/library/{stored['id']}")).status_code == 204
+    assert (await client.get("/api/library")).json() == []
+    assert (await client.get(f"/api/library/{stored['id']}")).status_code == 404
+
+
+async def test_unknown_conversations_and_bodies_that_are_not_multipart(client, settings):
+    missing = await upload(client, "", "a.txt", b"text", "/api/conversations/unknownconversation/attachments")
+    assert missing.status_code == 404
+    conv = (await client.post("/api/conversations", json={})).json()
+    url = f"/api/conversations/{conv['id']}/attachments"
+    assert (await client.post(url, json={"file": "a.txt"})).status_code == 422
+    body, content_type = raw_multipart(b"a.txt", b"text")
+    cut = await client.post(url, content=body[:-30], headers={"content-type": content_type})
+    assert cut.status_code == 422 and "no file" in cut.json()["detail"]
+    assert stored_files(settings.data_dir) == []
+    assert (await client.get(f"{url}/notanattachmentid")).status_code == 404
+
+
+def test_sweep_removes_old_leftovers_only(tmp_path):
+    attachments = Attachments(tmp_path / "attachments")
+    _, fresh = attachments.incoming_file()
+    _, old = attachments.incoming_file()
+    staging = tmp_path / "attachments" / "conversation1" / ".staging-abcdefgh"
+    staging.mkdir(parents=True)
+    (staging / "original").write_bytes(b"x")
+    for path in (old, staging):
+        os.utime(path, (0, 0))
+    attachments.sweep()
+    assert fresh.exists() and not old.exists() and not staging.exists()
