@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import unicodedata
@@ -189,7 +190,9 @@ def detect(path: Path, name: str) -> str:
     with open(path, "rb") as f:
         head = f.read(1024)
     ext = _extension(name)
-    if b"%PDF-" in head:  # the header may follow a little junk; readers accept that
+    # Readers accept a PDF header after a little junk, but a script that merely mentions "%PDF-"
+    # is not a PDF: only a .pdf gets that leeway.
+    if head.startswith(b"%PDF-") or (ext == ".pdf" and b"%PDF-" in head):
         return "pdf"
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         if ext == ".docx":
@@ -470,8 +473,6 @@ class Attachments:
 
     def incoming_file(self) -> tuple[int, Path]:
         """A new temporary file for an upload, on the same filesystem as the attachments."""
-        import tempfile
-
         self.incoming.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=self.incoming, prefix="upload-", suffix=".part")
         return fd, Path(name)

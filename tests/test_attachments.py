@@ -114,10 +114,13 @@ async def test_upload_pdf_docx_and_code_then_list_download_delete(api, client, a
     assert response.status_code == 201, response.text
     assert response.json()["media_type"] == att.MEDIA_DOCX and response.json()["pages"] is None
 
-    code = b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    # Code that mentions the PDF magic is still code.
+    code = (b'PDF_MAGIC = b"%PDF-"\n\ndef fibonacci(n):\n'
+            b"    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
     response = await upload(client, conv["id"], "fib.py", code)
     assert response.status_code == 201, response.text
     fib = response.json()
+    assert (fib["media_type"], fib["pages"], fib["chars"]) == ("text/plain", None, len(code.decode()))
 
     listed = (await client.get(f"/api/conversations/{conv['id']}/attachments")).json()
     assert [a["name"] for a in listed] == ["report.pdf", "notes.docx", "fib.py"]
