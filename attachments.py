@@ -66,10 +66,11 @@ TEXT_TYPES = {
 }
 # Extensionless names that are text by convention.
 TEXT_NAMES = {"makefile", "dockerfile", "readme", "license", "changelog", "gemfile", "procfile"}
+OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # old Office files, and encrypted new ones
 # Content that is certainly not something we read, whatever its name says.
 BINARY_MAGIC = (
     b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"7z\xbc\xaf",
-    b"Rar!", b"\xd0\xcf\x11\xe0", b"\x7fELF", b"MZ", b"II*\x00", b"MM\x00*", b"OggS", b"fLaC", b"ID3",
+    b"Rar!", OLE_MAGIC, b"\x7fELF", b"MZ", b"II*\x00", b"MM\x00*", b"OggS", b"fLaC", b"ID3",
 )
 ACCEPTED = "PDF, DOCX, or a UTF-8 text file (.txt .md .csv .json, source code, ...)"
 
@@ -204,6 +205,9 @@ def detect(path: Path, name: str) -> str:
         except zipfile.BadZipFile:
             pass
         raise Unsupported(f"this is a zip archive, not a file type this server reads; send {ACCEPTED}")
+    if ext == ".docx" and head.startswith(OLE_MAGIC):
+        # Word keeps a password-protected DOCX inside an OLE container, not a zip.
+        raise Unreadable("the DOCX is encrypted (password-protected); remove the password and upload it again")
     if ext == ".docx":
         raise Unreadable("the DOCX file is damaged: it is not a zip archive as every DOCX is")
     if ext == ".pdf":
@@ -519,6 +523,7 @@ class Attachments:
                              "stored") from None
         finally:
             cancelled.set()  # stops the worker at its next page if it is still reading
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed, not logged
 
     def _commit(self, scope: Scope, meta: dict, pages: list[dict], upload: Path) -> None:
         """Move the upload and its text into place: the directory appears whole or not at all."""

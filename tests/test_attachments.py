@@ -6,6 +6,7 @@ import asyncio
 import io
 import os
 import threading
+import zipfile
 from pathlib import Path
 from urllib.parse import quote
 
@@ -71,6 +72,18 @@ def make_docx(sections: list[tuple[str, str]]) -> bytes:
         document.add_paragraph(body)
     out = io.BytesIO()
     document.save(out)
+    return out.getvalue()
+
+
+def zip_bomb() -> bytes:
+    """A small DOCX-shaped zip whose document inflates past DOCX_MAX_INFLATED (256 MiB)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
+        z.writestr("[Content_Types].xml", "<Types/>")
+        with z.open("word/document.xml", "w", force_zip64=True) as member:
+            zeros = bytes(2**20)
+            for _ in range(257):
+                member.write(zeros)
     return out.getvalue()
 
 
@@ -277,6 +290,8 @@ async def test_encrypted_truncated_and_image_only_files_are_422_saying_which(api
         ("cut.docx", whole[: len(whole) // 2], "truncated"),
         ("scan.pdf", bytes(image_only.output()), "no text layer"),
         ("latin1.txt", "caf\xe9".encode("latin-1"), "not UTF-8"),
+        ("locked.docx", att.OLE_MAGIC + bytes(512), "encrypted"),
+        ("bomb.docx", zip_bomb(), "inflates to more than"),
     ]:
         response = await upload(client, conv["id"], name, data)
         assert response.status_code == 422, (name, response.text)
@@ -396,6 +411,9 @@ async def test_library_routes_and_docx_sections(client, app):
     assert found.passages[0]["source"] == "library" and "notes.docx §2 (Budget)" in found.text
     assert "40,000 euros" in read.text and "spring" not in read.text
     assert "Files in the person's library:\n- notes.docx (2 sections)" in listing
+    assert store(app).check_ids(att.library_scope("local"), [stored["id"]]) == [stored["id"]]
+    with pytest.raises(att.AttachmentNotFound):
+        store(app).check_ids(att.conversation_scope(first["id"]), [stored["id"]])
     assert (await client.delete(f"/api/library/{stored['id']}")).status_code == 204
     assert (await client.get("/api/library")).json() == []
     assert (await client.get(f"/api/library/{stored['id']}")).status_code == 404
@@ -412,6 +430,10 @@ async def test_unknown_conversations_and_bodies_that_are_not_multipart(client, s
     assert cut.status_code == 422 and "no file" in cut.json()["detail"]
     assert stored_files(settings.data_dir) == []
     assert (await client.get(f"{url}/notanattachmentid")).status_code == 404
+    # Only uploads skip the JSON body checks: a multipart body elsewhere is still malformed JSON.
+    body, content_type = raw_multipart(b"a.txt", b"text")
+    elsewhere = await client.post("/api/conversations", content=body, headers={"content-type": content_type})
+    assert elsewhere.status_code == 422 and "malformed JSON" in elsewhere.json()["detail"]
 
 
 def test_sweep_removes_old_leftovers_only(tmp_path):
