@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(1000, ge=1)
     header_timeout: float = Field(10.0, gt=0)
     max_message_chars: int = Field(200_000, gt=0)
+    max_attachment_bytes: int = Field(20_971_520, gt=0)
+    max_attachment_pages: int = Field(1000, gt=0)
 
     auth: Literal["none", "password", "header"] = "none"
     auth_header: str = "X-Forwarded-User"

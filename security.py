@@ -86,7 +86,7 @@ class Guard:
         problem = self._check(scope, headers, method) or await self._authenticate(scope, headers)
         if problem:
             return await self._reply(send, *problem)
-        if method in STATE_CHANGING:
+        if method in STATE_CHANGING and not _is_upload(scope["path"], headers):
             body, problem = await self._read_body(headers, receive)
             if problem:
                 return await self._reply(send, *problem)
@@ -148,6 +148,12 @@ class Guard:
     async def _reply(send: Callable, status: int, detail: str, retry_after: int | None = None) -> None:
         for message in _json_error(status, detail, retry_after):
             await send(message)
+
+
+def _is_upload(path: str, headers: dict) -> bool:
+    """A multipart file upload: its route streams the body itself under MAX_ATTACHMENT_BYTES."""
+    return headers.get("content-type", "").lower().startswith("multipart/form-data") and (
+        path.endswith("/attachments") or path in ("/api/library", "/api/import"))
 
 
 def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+import attachment_routes
 import auth_routes
 import exchange_routes
 from config import Settings, get_settings
@@ -61,7 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
-    for module in (site, auth_routes, models, presets, memory, conversations, exchange_routes):
+    for module in (site, auth_routes, models, presets, memory, conversations, attachment_routes, exchange_routes):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app
