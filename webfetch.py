@@ -223,21 +223,15 @@ async def _read_capped(response: httpx.Response, max_bytes: int) -> tuple[bytes,
     """The body up to `max_bytes` (decoded size, so a compressed bomb is capped too); whether it was cut."""
     chunks, size = [], 0
     async for chunk in response.aiter_bytes():
-        room = max_bytes - size
-        if len(chunk) >= room:
-            chunks.append(chunk[:room])
-            return b"".join(chunks), len(chunk) > room or await _more(response)
-        chunks.append(chunk)
-        size += len(chunk)
+        if size >= max_bytes:
+            if chunk:
+                return b"".join(chunks), True  # something follows the cap: cut, and stop reading
+            continue
+        chunks.append(chunk[:max_bytes - size])
+        size += len(chunks[-1])
+        if len(chunk) > len(chunks[-1]):
+            return b"".join(chunks), True
     return b"".join(chunks), False
-
-
-async def _more(response: httpx.Response) -> bool:
-    """Whether anything follows; reads at most one more chunk."""
-    async for chunk in response.aiter_bytes():
-        if chunk:
-            return True
-    return False
 
 
 async def fetch(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = 30.0,
