@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
 import context
+import preset_routes
 from config import ROOT, ModelInfo, Settings, get_settings
 from failures import keep_secret
 from schemas import ConversationCreate, ConversationPatch, Empty, Login, MemoryPut, MessageCreate, ModelCreate
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan)
     install_routes(app)
+    app.include_router(preset_routes.router)
     app.add_middleware(Guard)
     return app
 
@@ -211,10 +213,6 @@ def install_routes(app: FastAPI) -> None:
             return JSONResponse({"detail": "no such custom model"}, status_code=404)
         state.store.write_custom_models([m for m in custom if m["id"] != model_id])
         return Response(status_code=204)
-
-    @app.get("/api/presets")
-    async def presets() -> list[dict]:
-        return read_presets()
 
     @app.get("/api/memory")
     async def get_memory(state: StateDep) -> dict:
