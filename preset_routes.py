@@ -1,4 +1,5 @@
-"""`/api/presets` (API.md): list, create, replace and delete presets.
+"""`/api/presets` (API.md): list, create, replace and delete presets; and `GET /api/tools`, the
+tools those presets choose from.
 
 Routes validate the body's shape (pydantic) and hand the rest to `presets.Presets`, whose errors
 carry the HTTP status they become. The data directory and the tool names come from `get_presets`,
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import tools
 from presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets
 
-router = APIRouter(prefix="/api/presets", tags=["presets"])
+router = APIRouter(tags=["presets"])
 
 
 class PresetIn(BaseModel):
@@ -37,11 +38,18 @@ async def get_presets(request: Request) -> Presets:
 PresetsDep = Annotated[Presets, Depends(get_presets)]
 
 
+async def get_registry() -> tools.Registry:
+    return tools.registry
+
+
+RegistryDep = Annotated[tools.Registry, Depends(get_registry)]
+
+
 def _answer(exc: PresetError) -> HTTPException:
     return HTTPException(status_code=exc.status, detail=str(exc))
 
 
-@router.get("")
+@router.get("/api/presets")
 async def list_presets(presets: PresetsDep) -> list[dict]:
     try:
         return [p.out() for p in presets.entries()]
@@ -49,7 +57,7 @@ async def list_presets(presets: PresetsDep) -> list[dict]:
         raise _answer(exc) from None
 
 
-@router.post("", status_code=201)
+@router.post("/api/presets", status_code=201)
 async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
     try:
         return presets.create(body.name, body.text, body.tools, body.model).out()
@@ -57,7 +65,7 @@ async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
         raise _answer(exc) from None
 
 
-@router.put("/{name}")
+@router.put("/api/presets/{name}")
 async def replace_preset(name: str, body: PresetIn, presets: PresetsDep) -> dict:
     try:
         return presets.update(name, body.name, body.text, body.tools, body.model).out()
@@ -65,10 +73,16 @@ async def replace_preset(name: str, body: PresetIn, presets: PresetsDep) -> dict
         raise _answer(exc) from None
 
 
-@router.delete("/{name}", status_code=204)
+@router.delete("/api/presets/{name}", status_code=204)
 async def delete_preset(name: str, presets: PresetsDep) -> Response:
     try:
         presets.delete(name)
     except PresetError as exc:
         raise _answer(exc) from None
     return Response(status_code=204)
+
+
+@router.get("/api/tools")
+async def list_tools(request: Request, registry: RegistryDep) -> list[dict]:
+    """Local tools with their schemas, whether this server has them configured, and failure counts."""
+    return registry.listing(request.app.state.chat.settings)

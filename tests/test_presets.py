@@ -114,3 +114,13 @@ def test_tools_a_server_does_not_register_are_left_out_when_reading(tmp_path):
     presets = Presets(tmp_path / "data", ["remember", "web_fetch"], builtin_dir=builtin)
     assert [p.out() for p in presets.entries()] == [
         {"name": "helper", "text": "Be helpful.", "tools": ["remember"], "builtin": True, "model": "vendor/model"}]
+
+
+async def test_the_tools_route_lists_schemas_runtimes_and_failure_counts(client):
+    listed = (await client.get("/api/tools")).json()
+    local = {t["name"]: t for t in listed if t["runs"] == "local"}
+    assert {"remember", "web_fetch", "web_search"} <= set(local)
+    assert local["web_fetch"]["parameters"]["required"] == ["url"]
+    assert local["web_search"]["available"] is False  # no SEARXNG_URL in the test settings
+    assert all(isinstance(t["failures"], int) for t in listed)
+    assert {t["name"] for t in listed if t["runs"] == "gateway"} == {"web_search", "web_fetch"}
