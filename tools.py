@@ -251,6 +251,10 @@ class Registry:
                 raise ToolError(f"bad arguments: {_validation_message(exc)}") from None
             limit = timeout or (ctx.settings.tool_timeout if ctx else DEFAULT_TOOL_TIMEOUT)
             output = await _call_with_deadline(tool, parsed, limit)
+            if isinstance(output, str):
+                output = ToolOutput(output)
+            elif not isinstance(output, ToolOutput):
+                raise TypeError(f"tool {name} returned {type(output).__name__}, not str or ToolOutput")
         except ToolError as exc:
             return self._failed(name, call_id, arguments, str(exc), started, expected=True)
         except (httpx.HTTPError, OSError) as exc:
@@ -261,8 +265,6 @@ class Registry:
             return self._failed(name, call_id, arguments,
                                 f"the tool failed unexpectedly ({type(exc).__name__}); this is a fault on the "
                                 "server, not in your arguments", started, expected=False)
-        if isinstance(output, str):
-            output = ToolOutput(output)
         text = _capped(output.text)
         return ToolResult(call_id, name, arguments, text, True, _short(output.summary or output.text),
                           _elapsed_ms(started), tuple(output.citations))

@@ -382,3 +382,17 @@ def test_select_tools_narrows_by_preset_conversation_settings_and_runtime(tmp_pa
         tools.Selection(("remember",), ("web_search",))
     assert select_tools(registry, searx, allowed=preset, chosen=None, runtime="none", web_search=True) == \
         tools.Selection((), ())
+
+
+async def test_a_tool_returning_the_wrong_type_is_a_counted_bug(caplog):
+    r = Registry()
+
+    @r.tool
+    async def sloppy() -> str:
+        """Returns a number by mistake."""
+        return 42  # type: ignore[return-value]
+
+    caplog.set_level(logging.ERROR, logger="chat.tools")
+    result = await r.run("sloppy", "{}", {"sloppy"})
+    assert result.text.startswith("[tool error] sloppy: the tool failed unexpectedly (TypeError)")
+    assert r.failures["sloppy"] == 1 and caplog.records[0].exc_info is not None
