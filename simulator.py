@@ -167,13 +167,16 @@ class ToolCall:
     gateways send it). `arguments` as a dict is sent as its JSON; as a str it is sent verbatim,
     so malformed JSON can be scripted. `id` None makes a fresh one per reply. Several ToolCalls in
     one script are parallel calls with indexes 0, 1, ...; a script with calls finishes with
-    `tool_calls` / `tool_use` unless `Script.finish` says otherwise.
+    `tool_calls` / `tool_use` unless `Script.finish` says otherwise. `index` forces the chat
+    index: Ollama sends every call of a parallel batch at index 0, whole, told apart only by id
+    (and through some proxies with finish_reason "stop").
     """
 
     name: str
     arguments: dict | str = field(default_factory=dict)
     id: str | None = None
     chunk_chars: int = 8
+    index: int | None = None
 
     def arguments_json(self) -> str:
         return self.arguments if isinstance(self.arguments, str) else orjson.dumps(self.arguments).decode()
@@ -751,13 +754,13 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
     for step in script.steps:
         match step:
             case ToolCall():
-                pieces = step.pieces()
-                yield chunk({"tool_calls": [{"index": calls, "id": step.id or _new_id("call_"), "type": "function",
+                pieces, index = step.pieces(), calls if step.index is None else step.index
+                yield chunk({"tool_calls": [{"index": index, "id": step.id or _new_id("call_"), "type": "function",
                                              "function": {"name": step.name,
                                                           "arguments": pieces[0] if step.chunk_chars <= 0 else ""}}]})
                 for piece in ([] if step.chunk_chars <= 0 else pieces):
                     await _pause(script.chunk_delay)
-                    yield chunk({"tool_calls": [{"index": calls, "function": {"arguments": piece}}]})
+                    yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
                 calls += 1
             case Text():
                 for piece in _pieces(step.text, step.chunk_size):

@@ -850,3 +850,12 @@ def test_the_demo_gateway_fetches_a_url_with_a_client_tool_on_messages(sim):
     assert use["name"] == "web_fetch" and json.loads(pieces) == {"url": "https://example.org/post"}
     assert not any(e["type"] == "content_block_start" and e["content_block"]["type"] == "server_tool_use"
                    for e in events)  # a client tool named web_fetch is not the gateway's server tool
+
+
+def test_ollama_style_parallel_calls_share_index_0_and_come_whole(sim):
+    sim.enqueue(Script([ToolCall("remember", {"fact": "a"}, id="call_1", chunk_chars=0, index=0),
+                        ToolCall("remember", {"fact": "b"}, id="call_2", chunk_chars=0, index=0)], finish="stop"))
+    r = post(sim, "/v1/chat/completions", {**chat_body(), "tools": [REMEMBER_FN]})
+    assert [(d["index"], d["id"], d["function"]["arguments"]) for d in tool_deltas(r.text)] == [
+        (0, "call_1", '{"fact":"a"}'), (0, "call_2", '{"fact":"b"}')]
+    assert finish_of(r.text) == "stop"
