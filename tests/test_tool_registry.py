@@ -396,3 +396,23 @@ async def test_a_tool_returning_the_wrong_type_is_a_counted_bug(caplog):
     result = await r.run("sloppy", "{}", {"sloppy"})
     assert result.text.startswith("[tool error] sloppy: the tool failed unexpectedly (TypeError)")
     assert r.failures["sloppy"] == 1 and caplog.records[0].exc_info is not None
+
+
+async def test_two_turns_at_once_each_see_only_their_own_context(tmp_path):
+    r = Registry()
+    both_inside = asyncio.Barrier(2)
+
+    @r.tool
+    async def whose() -> str:
+        """Whose memory this call would touch."""
+        await both_inside.wait()  # both turns are inside their calls at the same moment
+        return tools.current_context().owner
+
+    settings = make_settings(tmp_path)
+
+    async def turn(owner: str) -> str:
+        ctx = ToolContext(f"conv-{owner}", settings, Memory().read, Memory().write, owner=owner)
+        with tool_context(ctx):
+            return (await r.run("whose", "", {"whose"})).text
+
+    assert await asyncio.wait_for(asyncio.gather(turn("alice"), turn("bob")), 5) == ["alice", "bob"]
