@@ -236,13 +236,14 @@ async def _read_capped(response: httpx.Response, max_bytes: int) -> tuple[bytes,
 
 async def fetch(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = 30.0,
                 allow_hosts: Iterable[str] = (), resolve: Resolver | None = None,
-                max_redirects: int = MAX_REDIRECTS) -> Page:
-    """Fetch `url` as text under the rules in the module docstring."""
+                max_redirects: int = MAX_REDIRECTS, tls: ssl.SSLContext | None = None) -> Page:
+    """Fetch `url` as text under the rules in the module docstring; `tls` replaces the system's trust store."""
     resolve = resolve or system_resolve
     allow = tuple(allow_hosts)
     current: str | httpx.URL = url.strip()
     # trust_env=False: a proxy from the environment would do its own DNS lookup, undoing the pinning.
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False, verify=_tls()) as client:
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False,
+                                 verify=tls or _tls()) as client:
         for _ in range(max_redirects + 1):
             target = await check(current, resolve, allow)
             response = await _open(client, target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ Route = tuple[int, dict[str, str], bytes] | Callable[[BaseHTTPRequestHandler], N
 class PageServer:
     """`routes[path]` is (status, headers, body) or a function writing the response itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.scheme = "https" if tls else "http"
         self.routes: dict[str, Route] = {}
         self.seen: list[Seen] = []
         self.release = threading.Event()  # routes that hang wait for this; set at stop
@@ -53,11 +55,13 @@ class PageServer:
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
+        if tls is not None:
+            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.02,), daemon=True)
 
     def url(self, path: str = "/", host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.port}{path}"
+        return f"{self.scheme}://{host}:{self.port}{path}"
 
     def paths(self) -> list[str]:
         return [s.path for s in self.seen]

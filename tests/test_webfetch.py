@@ -4,7 +4,10 @@ reading stops at the cap, and HTML and PDF become text."""
 
 from __future__ import annotations
 
+import ssl
+
 import pytest
+import trustme
 
 import webfetch
 from pageserver import PageServer, endless
@@ -216,3 +219,25 @@ async def test_unreadable_types_and_http_errors_are_fetch_errors(server):
         await webfetch.fetch(server.url("/img"), timeout=5, allow_hosts=["127.0.0.1"])
     with pytest.raises(FetchError, match="answered HTTP 404"):
         await webfetch.fetch(server.url("/missing"), timeout=5, allow_hosts=["127.0.0.1"])
+
+
+@pytest.mark.parametrize("certified_name, works", [("pinned.test", True), ("someone-else.test", False)])
+async def test_https_to_the_pinned_address_verifies_the_certificate_against_the_host_name(certified_name, works):
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(certified_name).configure_cert(server_tls)
+    client_tls = ssl.create_default_context()
+    ca.configure_trust(client_tls)
+    resolver = CountingResolver({"pinned.test": [["127.0.0.1"]]})
+    with PageServer(tls=server_tls) as server:
+        server.routes["/"] = (200, {"Content-Type": "text/plain"}, b"over tls")
+        url = f"https://pinned.test:{server.port}/"
+        if works:
+            # The certificate names pinned.test and not 127.0.0.1: this only verifies if the
+            # name, not the address we connected to, is what the certificate is checked against.
+            page = await webfetch.fetch(url, timeout=5, allow_hosts=["pinned.test"], resolve=resolver, tls=client_tls)
+            assert page.text == "over tls"
+        else:
+            with pytest.raises(FetchError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+                await webfetch.fetch(url, timeout=5, allow_hosts=["pinned.test"], resolve=resolver, tls=client_tls)
+            assert server.seen == []
