@@ -23,7 +23,7 @@ import logging
 import time
 import typing
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -286,6 +286,26 @@ class Registry:
             return result
 
         return list(await asyncio.gather(*(one(c) for c in calls)))
+
+    async def run_streaming(self, calls: Sequence[Call], enabled: Iterable[str], ctx: ToolContext, *,
+                            timeout: float | None = None) -> AsyncIterator[ToolResult]:
+        """Run the calls in parallel under `ctx`, yielding each result as it finishes.
+
+        Made for a turn that is itself an async generator: `ctx` is set only while the calls are
+        started (each task keeps a copy), never across a `yield`, so it cannot leak to whatever
+        runs between events. Closing or cancelling the iteration cancels the calls still running.
+        """
+        allowed = frozenset(enabled)
+        with tool_context(ctx):
+            tasks = [asyncio.ensure_future(self.run(c.name, c.arguments, allowed, call_id=c.id, timeout=timeout))
+                     for c in calls]
+        try:
+            for finished in asyncio.as_completed(tasks):
+                yield await finished
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _failed(self, name: str, call_id: str, arguments: dict, reason: str, started: float, *,
                 expected: bool) -> ToolResult:

@@ -416,3 +416,58 @@ async def test_two_turns_at_once_each_see_only_their_own_context(tmp_path):
             return (await r.run("whose", "", {"whose"})).text
 
     assert await asyncio.wait_for(asyncio.gather(turn("alice"), turn("bob")), 5) == ["alice", "bob"]
+
+
+async def test_streaming_a_batch_yields_in_finishing_order_without_leaking_the_context(tmp_path):
+    r = Registry()
+    release_slow = asyncio.Event()
+    seen_inside = []
+
+    @r.tool
+    async def slow() -> str:
+        """Finishes when released."""
+        await release_slow.wait()
+        seen_inside.append(tools.current_context().owner)
+        return "slow"
+
+    @r.tool
+    async def quick() -> str:
+        """Finishes at once."""
+        seen_inside.append(tools.current_context().owner)
+        return "quick"
+
+    order, outside = [], []
+    stream = r.run_streaming([Call("1", "slow", ""), Call("2", "quick", "")], {"slow", "quick"},
+                             ctx_for(make_settings(tmp_path)))
+    async for result in stream:
+        order.append(result.call_id)
+        outside.append(tools.current_context())  # the consumer between events never sees the turn's context
+        release_slow.set()
+    assert order == ["2", "1"] and outside == [None, None] and seen_inside == ["alice", "alice"]
+
+
+async def test_cancelling_a_streamed_batch_cancels_the_running_calls(tmp_path):
+    r = Registry()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    @r.tool
+    async def waits() -> str:
+        """Waits until cancelled."""
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    async def consume() -> None:
+        async for _ in r.run_streaming([Call("1", "waits", "")], {"waits"}, ctx_for(make_settings(tmp_path))):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(cancelled.wait(), 5)
