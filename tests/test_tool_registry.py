@@ -471,3 +471,16 @@ async def test_cancelling_a_streamed_batch_cancels_the_running_calls(tmp_path):
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.wait_for(cancelled.wait(), 5)
+
+
+def test_tool_settings_come_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FETCH_ALLOW_HOSTS", "Wiki.Corp, 127.0.0.1,")
+    monkeypatch.setenv("SEARXNG_URL", "http://127.0.0.1:8888/")
+    monkeypatch.setenv("TOOL_TIMEOUT", "12.5")
+    settings = Settings(_env_file=None, data_dir=tmp_path)
+    assert settings.fetch_allow_hosts == ["wiki.corp", "127.0.0.1"]
+    assert settings.searxng_url == "http://127.0.0.1:8888" and settings.tool_timeout == 12.5
+    assert (settings.tool_rounds_max, settings.fetch_max_bytes) == (8, 2_097_152)
+    assert (settings.default_web_search, settings.default_web_fetch) == (False, False)
+    monkeypatch.setenv("SEARXNG_URL", " ")
+    assert Settings(_env_file=None, data_dir=tmp_path).searxng_url is None
