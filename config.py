@@ -105,12 +105,21 @@ class Settings(BaseSettings):
     session_hours: float = Field(168, gt=0)
     pii_masking: Literal["off", "on"] = "off"
 
-    @field_validator("gateway_base_url", "gateway_api_key", "access_token", mode="before")
+    # Tools that run on this server (tools.py, webfetch.py).
+    tool_rounds_max: int = Field(8, ge=1)
+    tool_timeout: float = Field(30.0, gt=0)
+    searxng_url: str | None = None
+    fetch_max_bytes: int = Field(2_097_152, gt=0)
+    fetch_allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    default_web_search: bool = False
+    default_web_fetch: bool = False
+
+    @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
 
-    @field_validator("gateway_base_url")
+    @field_validator("gateway_base_url", "searxng_url")
     @classmethod
     def _gateway_url(cls, value: str | None) -> str | None:
         """An http(s) URL with a host; without a scheme every turn would fail, so refuse to start."""
@@ -133,7 +142,7 @@ class Settings(BaseSettings):
             return json.loads(value) if value.strip() else {}
         return value
 
-    @field_validator("allowed_hosts", "admin_users", mode="before")
+    @field_validator("allowed_hosts", "admin_users", "fetch_allow_hosts", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
         if isinstance(value, str):

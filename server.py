@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse
 import attachment_routes
 import auth_routes
 import exchange_routes
+import preset_routes
 from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
-from routes import conversations, memory, models, presets, site
+from routes import conversations, memory, models, site
 from security import Guard
 from storage import Damaged, FileStore, LockLost, NotFound, TurnBusy
 from turns import Turns
@@ -62,7 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
-    for module in (site, auth_routes, models, presets, memory, conversations, attachment_routes, exchange_routes):
+    for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
+                   exchange_routes):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app

@@ -2,7 +2,9 @@
 
 `GatewaySimulator` serves `POST /v1/chat/completions` (OpenAI-compatible SSE, with the usage
 dialects of OpenAI, OpenRouter, LiteLLM, DeepSeek and vLLM) and `POST /v1/messages` (Anthropic
-SSE with web search/fetch blocks and citations) on loopback, in the shapes docs/PROTOCOLS.md records,
+SSE with web search/fetch blocks and citations) on loopback, client tool calls included (streamed
+`tool_calls` deltas; `tool_use` blocks with `input_json_delta` pieces), in the shapes
+docs/PROTOCOLS.md records,
 pre-stream HTTP errors and mid-stream error records included. Tests queue `Script`s; every
 request on either endpoint pops the next one, and the simulator records what it was sent, when
 it answered, and when the client hung up. Prompt-cache reads and writes follow an
@@ -39,7 +41,7 @@ import uvicorn
 
 __all__ = [
     "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "Raw", "Reasoning",
-    "RecordedRequest", "Script", "Search", "Sleep", "StreamError", "Text", "Usage", "cache_account",
+    "RecordedRequest", "Script", "Search", "Sleep", "StreamError", "Text", "ToolCall", "Usage", "cache_account",
     "errors", "estimate_tokens", "steps",
 ]
 
@@ -157,7 +159,37 @@ class StreamError:
         return self.error
 
 
-Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError
+@dataclass(frozen=True)
+class ToolCall:
+    """A client tool call: chat, a `tool_calls` delta; Messages, a `tool_use` block.
+
+    The first piece carries the call's index, id and name with empty arguments; the arguments
+    follow in pieces of `chunk_chars` characters (0: all of them in the first piece, as some
+    gateways send it). `arguments` as a dict is sent as its JSON; as a str it is sent verbatim,
+    so malformed JSON can be scripted. `id` None makes a fresh one per reply. Several ToolCalls in
+    one script are parallel calls with indexes 0, 1, ...; a script with calls finishes with
+    `tool_calls` / `tool_use` unless `Script.finish` says otherwise. `index` forces the chat
+    index: Ollama sends every call of a parallel batch at index 0, whole, told apart only by id
+    (and through some proxies with finish_reason "stop").
+    """
+
+    name: str
+    arguments: dict | str = field(default_factory=dict)
+    id: str | None = None
+    chunk_chars: int = 8
+    index: int | None = None
+
+    def arguments_json(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else orjson.dumps(self.arguments).decode()
+
+    def pieces(self) -> list[str]:
+        raw = self.arguments_json()
+        if self.chunk_chars <= 0:
+            return [raw]
+        return [raw[i:i + self.chunk_chars] for i in range(0, len(raw), self.chunk_chars)]
+
+
+Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall
 
 
 class steps:
@@ -172,6 +204,7 @@ class steps:
     Cite = Cite
     Close = Close
     StreamError = StreamError
+    ToolCall = ToolCall
 
 
 @dataclass(frozen=True)
@@ -207,11 +240,13 @@ class Script:
     `status` != 200 answers `error_body` (dict as JSON, str/bytes verbatim) before any stream.
     `chunk_delay` comes before every text/reasoning chunk; `first_byte_delay` before the headers;
     `end_delay` after the last record, before the body ends (a gateway slow to close its stream).
+    `finish` is in chat terms (stop, length, tool_calls, content_filter) or Messages terms; each
+    endpoint translates it.
     """
 
     steps: list[Step] = field(default_factory=list)
     usage: Usage | str | None = None
-    finish: str = "stop"
+    finish: str | None = None  # None: "tool_calls" when the script makes calls, else "stop"
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
     error_body: dict | str | bytes | None = None
@@ -220,6 +255,12 @@ class Script:
     end_delay: float = 0.0
     send_done: bool = True
     stop_details: dict | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        if self.finish is not None:
+            return self.finish
+        return "tool_calls" if any(isinstance(s, ToolCall) for s in self.steps) else "stop"
 
     def __post_init__(self) -> None:
         for step in self.steps:
@@ -700,7 +741,8 @@ def _sse(obj: object, event: str | None = None) -> bytes:
 
 
 def _reply_texts(script: Script) -> tuple[str, str]:
-    text = "".join(s.text for s in script.steps if isinstance(s, Text))
+    text = "".join(s.text if isinstance(s, Text) else s.name + s.arguments_json()
+                   for s in script.steps if isinstance(s, Text | ToolCall))
     reasoning = "".join(s.text for s in script.steps if isinstance(s, Reasoning))
     return text, reasoning
 
@@ -774,8 +816,18 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
 
     yield b": OPENROUTER PROCESSING\n\n"
     yield chunk({"role": "assistant", "content": ""})
+    calls = 0
     for step in script.steps:
         match step:
+            case ToolCall():
+                pieces, index = step.pieces(), calls if step.index is None else step.index
+                yield chunk({"tool_calls": [{"index": index, "id": step.id or _new_id("call_"), "type": "function",
+                                             "function": {"name": step.name,
+                                                          "arguments": pieces[0] if step.chunk_chars <= 0 else ""}}]})
+                for piece in ([] if step.chunk_chars <= 0 else pieces):
+                    await _pause(script.chunk_delay)
+                    yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+                calls += 1
             case Text():
                 for piece in _pieces(step.text, step.chunk_size):
                     await _pause(script.chunk_delay)
@@ -804,7 +856,7 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                     "type": "server_error"})})
                 return
             # Search, Fetch and Cite: chat completions runs and bills server tools invisibly.
-    yield chunk({}, _TO_CHAT_FINISH.get(script.finish, script.finish))
+    yield chunk({}, _TO_CHAT_FINISH.get(script.finish_reason, script.finish_reason))
     if send_usage:
         yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [], "usage": _chat_usage_json(usage)})
@@ -815,14 +867,20 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
 
 def _chat_completion_json(script: Script, model: str, usage: Usage | None) -> dict:
     """The non-streaming `chat.completion` object: text steps joined, reasoning beside them."""
-    text, reasoning = _reply_texts(script)
-    message: dict = {"role": "assistant", "content": text, "refusal": None}
+    text = "".join(s.text for s in script.steps if isinstance(s, Text))
+    reasoning = "".join(s.text for s in script.steps if isinstance(s, Reasoning))
+    calls = [{"id": s.id or _new_id("call_"), "type": "function",
+              "function": {"name": s.name, "arguments": s.arguments_json()}}
+             for s in script.steps if isinstance(s, ToolCall)]
+    message: dict = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
     if reasoning:
         fields = {s.field for s in script.steps if isinstance(s, Reasoning)}
         message.update({f: reasoning for f in fields})
     out = {"id": _new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
            "choices": [{"index": 0, "message": message, "logprobs": None,
-                        "finish_reason": _TO_CHAT_FINISH.get(script.finish, script.finish)}]}
+                        "finish_reason": _TO_CHAT_FINISH.get(script.finish_reason, script.finish_reason)}]}
     if usage is not None:
         out["usage"] = _chat_usage_json(usage)
     return out
@@ -917,6 +975,15 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                     await _pause(script.chunk_delay)
                     yield blocks.delta({"type": "text_delta", "text": piece} if kind == "text"
                                        else {"type": "thinking_delta", "thinking": piece})
+            case ToolCall():
+                for frame in blocks.open({"type": "tool_use", "id": step.id or _new_id("toolu_"), "name": step.name,
+                                          "input": {}}):
+                    yield frame
+                for piece in ["", *step.pieces()]:
+                    await _pause(script.chunk_delay)
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": piece})
+                for frame in blocks.close():
+                    yield frame
             case Search():
                 searches += 0 if step.error_code else 1
                 for frame in _server_tool_frames(blocks, "web_search", {"query": step.query}, _search_result(step)):
@@ -948,7 +1015,7 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                 return
     for frame in blocks.close():
         yield frame
-    stop = _TO_MESSAGES_STOP.get(script.finish, script.finish)
+    stop = _TO_MESSAGES_STOP.get(script.finish_reason, script.finish_reason)
     details = script.stop_details
     if details is None and stop == "refusal":
         details = {"type": "refusal", "category": None, "explanation": None}
@@ -1063,8 +1130,17 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
         reply.append(Reasoning(
             f"Simulated reasoning: there is no model behind the demo gateway, so nothing is being thought "
             f"about. The server sent {len(messages)} message(s) to `{body.get('model')}`; the reply describes them."))
-    tools = _tool_names(body)
-    if path == MESSAGES_PATH and any(t.startswith("web_") for t in tools):
+    client_tools = _client_tool_names(body)
+    if client_tools and (results := _tool_results(messages)):
+        reply.append(Text(_demo_after_tools(results)))
+        reply.append(Text(_demo_description(path, body, account, min_tokens), chunk_size=4))
+        return Script(reply, chunk_delay=0.02)
+    if client_tools and (call := _demo_call(messages, client_tools)) is not None:
+        reply.append(Text(f"> **SIMULATED tool call.** The demo gateway calls `{call.name}` because the message "
+                          "matched a canned pattern; no model decided this.\n\n"))
+        return Script(reply + [call], chunk_delay=0.02)
+    tools = _server_tool_types(body)
+    if path == MESSAGES_PATH and tools:
         last_user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
         query = " ".join(_text_of(last_user.get("content")).split()[:8]) or "demo search"
         results = [{"url": f"https://{host}/simulated/result-{n}", "title": f"Simulated result {n} for: {query}",
@@ -1078,6 +1154,77 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
                   Text("This sentence carries a simulated citation of the first (made-up) result.\n\n")]
     reply.append(Text(_demo_description(path, body, account, min_tokens), chunk_size=4))
     return Script(reply, chunk_delay=0.02)
+
+
+_URL = re.compile(r"https?://[^\s<>\"'`)\]]+")
+_REMEMBER = re.compile(r"\bremember\b(?:\s+that)?[\s:,]+(.+)", re.I)
+_SEARCH = re.compile(r"^\s*search(?:\s+the\s+web)?(?:\s+for)?[\s:,]+(.+)", re.I)
+
+
+def _client_tool_names(body: Mapping) -> list[str]:
+    """Tools the client runs itself: chat `function` tools, Messages tools with an input_schema."""
+    names = []
+    for tool in body.get("tools") or []:
+        if not isinstance(tool, dict):
+            continue
+        if tool.get("type") == "function" and isinstance(tool.get("function"), dict):
+            names.append(str(tool["function"].get("name")))
+        elif tool.get("type") in (None, "custom") and "input_schema" in tool:
+            names.append(str(tool.get("name")))
+    return names
+
+
+def _server_tool_types(body: Mapping) -> list[str]:
+    """The names of the gateway's own tools declared on Messages (web_search, web_fetch)."""
+    return [str(t.get("name") or t["type"]) for t in body.get("tools") or []
+            if isinstance(t, dict) and isinstance(t.get("type"), str) and t["type"] not in ("function", "custom")]
+
+
+def _tool_results(messages: list) -> list[tuple[str, str]]:
+    """(tool name, result text) when the last message answers tool calls, else []."""
+    if not messages or not isinstance(messages[-1], dict):
+        return []
+    last = messages[-1]
+    names: dict[str, str] = {}
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            if isinstance(call, dict):
+                names[call.get("id")] = str((call.get("function") or {}).get("name"))
+        for block in _blocks_of(message, "tool_use"):
+            names[block.get("id")] = str(block.get("name"))
+    if last.get("role") == "tool":
+        trailing = []
+        for message in reversed(messages):
+            if message.get("role") != "tool":
+                break
+            trailing.append((names.get(message.get("tool_call_id"), "?"), _text_of(message.get("content"))))
+        return trailing[::-1]
+    if last.get("role") == "user":
+        return [(names.get(b.get("tool_use_id"), "?"), _text_of(b.get("content")))
+                for b in _blocks_of(last, "tool_result")]
+    return []
+
+
+def _demo_call(messages: list, client_tools: list[str]) -> ToolCall | None:
+    """A canned call when the person's last message plainly asks for a declared tool."""
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    if last.get("role") != "user":
+        return None
+    text = _text_of(last.get("content"))
+    if "remember" in client_tools and (match := _REMEMBER.search(text)):
+        return ToolCall("remember", {"fact": match.group(1).strip().splitlines()[0][:200]})
+    if "web_fetch" in client_tools and (match := _URL.search(text)):
+        return ToolCall("web_fetch", {"url": match.group(0).rstrip(".,;:!?")})
+    if "web_search" in client_tools and (match := _SEARCH.search(text)):
+        return ToolCall("web_search", {"query": match.group(1).strip()[:200]})
+    return None
+
+
+def _demo_after_tools(results: list[tuple[str, str]]) -> str:
+    lines = ["> **SIMULATED reply after a tool round.** The demo gateway read these tool results; no model "
+             "looked at them.", ""]
+    lines += [f"- `{name}` returned: `{_snippet(text, 120)}`" for name, text in results]
+    return "\n".join(lines) + "\n\n"
 
 
 def _demo_summary(messages: list) -> str:
@@ -1127,9 +1274,13 @@ def _validate(path: str, body: object) -> str | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         return "messages: Input should be a non-empty list of message objects"
+    if path == CHAT_PATH:
+        return _chat_tool_pairing(messages)
     if path == MESSAGES_PATH:
         if not isinstance(body.get("max_tokens"), int):
             return "max_tokens: Field required"
+        if (problem := _messages_tool_pairing(messages)) is not None:
+            return problem
         for i, message in enumerate(messages):
             content = message.get("content")
             if content in ("", [], None) or isinstance(content, str) and not content.strip():
@@ -1139,6 +1290,59 @@ def _validate(path: str, body: object) -> str | None:
                 return "messages: text content blocks must be non-empty"
         if not body.get("stream"):
             return "simulator: /v1/messages is simulated for streaming only; send \"stream\": true"
+    return None
+
+
+def _offers_tools(body: Mapping) -> bool:
+    choice = body.get("tool_choice")
+    refused = choice == "none" or isinstance(choice, dict) and choice.get("type") == "none"
+    return bool(_client_tool_names(body)) and not refused
+
+
+def _chat_tool_pairing(messages: list[dict]) -> str | None:
+    """OpenAI's 400s for a call without its results, or a result without its call (wording as OpenAI's)."""
+    pending: list[str] = []
+    for message in messages:
+        if message.get("role") == "tool":
+            if message.get("tool_call_id") not in pending:
+                return ("Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
+                        "with 'tool_calls'.")
+            pending.remove(message["tool_call_id"])
+            continue
+        if pending:
+            break
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            pending = [c.get("id") for c in message["tool_calls"] if isinstance(c, dict)]
+    if pending:
+        return ("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(pending)}")
+    return None
+
+
+def _blocks_of(message: Mapping, kind: str) -> list[dict]:
+    content = message.get("content")
+    return [b for b in content if isinstance(b, dict) and b.get("type") == kind] if isinstance(content, list) else []
+
+
+def _messages_tool_pairing(messages: list[dict]) -> str | None:
+    """Anthropic's 400s: each tool_use answered by a tool_result in the very next message, and no stray results."""
+    expected: list[str] = []
+    for i, message in enumerate(messages):
+        results = [b.get("tool_use_id") for b in _blocks_of(message, "tool_result")] if message.get("role") == "user" else []
+        for j, result in enumerate(results):
+            if result not in expected:
+                return (f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {result}. "
+                        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.")
+        missing = [e for e in expected if e not in results]
+        if missing:
+            return (f"messages.{i - 1}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                    f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` block in "
+                    "the next message.")
+        expected = [b.get("id") for b in _blocks_of(message, "tool_use")] if message.get("role") == "assistant" else []
+    if expected:
+        return (f"messages.{len(messages) - 1}: `tool_use` ids were found without `tool_result` blocks immediately "
+                f"after: {', '.join(expected)}. Each `tool_use` block must have a corresponding `tool_result` block "
+                "in the next message.")
     return None
 
 
@@ -1207,6 +1411,7 @@ class GatewaySimulator:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._queue: deque[Script] = deque()
+        self._forever: tuple[Script, Script | None] | None = None
         self._requests: deque[RecordedRequest] = deque(maxlen=keep_requests)
         self._received = 0  # every request since start or reset, kept or not
         self._cache: dict[str, float] = {}
@@ -1316,6 +1521,14 @@ class GatewaySimulator:
         with self._lock:
             self._queue.extend(scripts)
 
+    def keep_calling(self, calls: Script, answer: Script | None = None) -> None:
+        """A model that never stops calling tools: once the queue is empty, every request that offers
+        tools gets `calls`; one that offers none (or says tool_choice none) gets `answer` (None: the demo reply)."""
+        if not any(isinstance(s, ToolCall) for s in calls.steps):
+            raise ValueError("keep_calling needs a script with at least one ToolCall")
+        with self._lock:
+            self._forever = (calls, answer)
+
     @property
     def requests(self) -> list[RecordedRequest]:
         """The kept requests (the last `keep_requests`), in arrival order (a snapshot list of live records)."""
@@ -1359,6 +1572,7 @@ class GatewaySimulator:
         """Forget queued scripts, recorded requests and cache state."""
         with self._lock:
             self._queue.clear()
+            self._forever = None
             self._requests.clear()
             self._received = 0
             self._cache.clear()
@@ -1389,6 +1603,9 @@ class GatewaySimulator:
             return _error_reply(path, errors.llamacpp_validation_500(body))
         with self._lock:
             script = self._queue.popleft() if self._queue else None
+            forever = self._forever
+        if script is None and forever is not None:
+            script = forever[0] if _offers_tools(body) else forever[1]
         if script is not None and script.status != 200:
             return _error_reply(path, script)
         # Only a request that reaches the model touches the prompt cache.

@@ -11,9 +11,10 @@ import orjson
 from fastapi.responses import JSONResponse, Response
 
 import context
-from config import Settings
+import tools
+from config import ROOT, Settings
 from deps import OwnerStoreDep, StateDep
-from routes.presets import PROMPTS, read_presets
+from presets import PresetNotFound, Presets
 from schemas import (
     Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, MessageCreate,
 )
@@ -36,16 +37,21 @@ class Conflict(Exception):
     """The request cannot run now (a turn is streaming, or there is nothing to act on)."""
 
 
-def default_settings(settings: Settings, preset: str | None) -> dict:
-    presets = {p["name"]: p["text"] for p in read_presets()}
-    name = preset if preset in presets else "default"
+def default_settings(settings: Settings, preset_name: str | None) -> dict:
+    """A new conversation's settings: its preset's persona and tools, web tools off unless configured on."""
+    presets = Presets(settings.data_dir, tools.registry.names())
+    try:
+        preset = presets.get(preset_name or "default")
+    except PresetNotFound:
+        preset = presets.get("default")
     return {
-        "preset": name,
-        "system_prompt": presets.get(name, ""),
+        "preset": preset.name,
+        "system_prompt": preset.text,
         "context_budget": settings.context_budget_tokens,
-        "web_search": True,
-        "web_fetch": True,
-        "tool_instructions": (PROMPTS / "tool_instructions.txt").read_text(encoding="utf-8").strip()
+        "web_search": settings.default_web_search,
+        "web_fetch": settings.default_web_fetch,
+        "tools": list(preset.tools),
+        "tool_instructions": (ROOT / "prompts" / "tool_instructions.txt").read_text(encoding="utf-8").strip()
         .replace("{search_max_uses}", str(settings.search_max_uses))
         .replace("{fetch_max_uses}", str(settings.fetch_max_uses)),
         "compression_prompt": context.default_compression_prompt(),

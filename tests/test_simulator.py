@@ -16,7 +16,7 @@ import pytest
 
 from simulator import (
     CacheAccount, Cite, Close, Fetch, GatewaySimulator, Raw, Reasoning, Script, Search, Sleep, StreamError,
-    Text, Usage, cache_account, errors, steps,
+    Text, ToolCall, Usage, cache_account, errors, steps,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -625,3 +625,237 @@ def test_standalone_entry_point_serves_and_reports_stats():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# --- Client tool calls ------------------------------------------------------------------------
+
+REMEMBER_FN = {"type": "function", "function": {"name": "remember", "description": "Save a fact.",
+                                                "parameters": {"type": "object", "properties": {"fact": {"type": "string"}}}}}
+FETCH_FN = {"type": "function", "function": {"name": "web_fetch", "description": "Read a page.",
+                                             "parameters": {"type": "object", "properties": {"url": {"type": "string"}}}}}
+REMEMBER_TOOL = {"name": "remember", "description": "Save a fact.",
+                 "input_schema": {"type": "object", "properties": {"fact": {"type": "string"}}}}
+
+
+def tool_deltas(text: str) -> list[dict]:
+    """Every `tool_calls` entry of a chat stream, in order."""
+    return [call for c in chat_chunks(text) if isinstance(c, dict) and c["choices"]
+            for call in c["choices"][0]["delta"].get("tool_calls") or []]
+
+
+def assembled_calls(text: str) -> dict[int, dict]:
+    """The calls as a client rebuilds them: by index, arguments concatenated."""
+    calls: dict[int, dict] = {}
+    for piece in tool_deltas(text):
+        call = calls.setdefault(piece["index"], {"id": None, "name": None, "arguments": ""})
+        call["id"] = piece.get("id") or call["id"]
+        call["name"] = (piece.get("function") or {}).get("name") or call["name"]
+        call["arguments"] += (piece.get("function") or {}).get("arguments") or ""
+    return calls
+
+
+def chat_text(text: str) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chat_chunks(text)
+                   if isinstance(c, dict) and c["choices"])
+
+
+def finish_of(text: str) -> str:
+    return [c for c in chat_chunks(text) if isinstance(c, dict) and c["choices"]][-1]["choices"][0]["finish_reason"]
+
+
+def test_chat_parallel_calls_stream_as_indexed_deltas_with_arguments_in_pieces(sim):
+    sim.enqueue(Script([Text("Let me check both."),
+                        ToolCall("web_fetch", {"url": "https://example.com/a"}, id="call_a", chunk_chars=5),
+                        ToolCall("remember", {"fact": "Likes tea"}, id="call_b", chunk_chars=4)]))
+    r = post(sim, "/v1/chat/completions", {**chat_body(), "tools": [FETCH_FN, REMEMBER_FN]})
+    deltas = tool_deltas(r.text)
+    # The first piece of each call names it and carries empty arguments; later pieces carry only the index.
+    assert deltas[0] == {"index": 0, "id": "call_a", "type": "function",
+                         "function": {"name": "web_fetch", "arguments": ""}}
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+               for d in deltas[1:] if d["index"] == 0)
+    assert sum(1 for d in deltas if d["index"] == 0) > 3  # the arguments really are split
+    first_b = next(i for i, d in enumerate(deltas) if d["index"] == 1)
+    assert deltas[first_b]["id"] == "call_b" and deltas[first_b]["function"] == {"name": "remember", "arguments": ""}
+    calls = assembled_calls(r.text)
+    assert {i: (c["id"], c["name"], json.loads(c["arguments"])) for i, c in calls.items()} == {
+        0: ("call_a", "web_fetch", {"url": "https://example.com/a"}),
+        1: ("call_b", "remember", {"fact": "Likes tea"})}
+    assert finish_of(r.text) == "tool_calls"
+    chunks = chat_chunks(r.text)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] > 0
+
+
+def test_chat_call_with_all_arguments_in_its_first_piece(sim):
+    sim.enqueue(Script([ToolCall("remember", {"fact": "x"}, chunk_chars=0)]))
+    deltas = tool_deltas(post(sim, "/v1/chat/completions", {**chat_body(), "tools": [REMEMBER_FN]}).text)
+    assert len(deltas) == 1 and deltas[0]["function"] == {"name": "remember", "arguments": '{"fact":"x"}'}
+    assert deltas[0]["id"].startswith("call_")
+
+
+def test_chat_malformed_arguments_and_unknown_names_go_out_verbatim(sim):
+    sim.enqueue(Script([ToolCall("no_such_tool", '{"url": "https://exa', chunk_chars=6)]))
+    calls = assembled_calls(post(sim, "/v1/chat/completions", {**chat_body(), "tools": [FETCH_FN]}).text)
+    assert calls[0]["name"] == "no_such_tool" and calls[0]["arguments"] == '{"url": "https://exa'
+
+
+def test_chat_tool_calls_finish_can_come_without_calls(sim):
+    sim.enqueue(Script([Text("Hmm.")], finish="tool_calls"))
+    r = post(sim, "/v1/chat/completions", {**chat_body(), "tools": [REMEMBER_FN]})
+    assert tool_deltas(r.text) == [] and finish_of(r.text) == "tool_calls"
+
+
+def test_chat_non_streaming_completion_carries_tool_calls(sim):
+    sim.enqueue(Script([ToolCall("remember", {"fact": "x"}, id="call_1")]))
+    obj = post(sim, "/v1/chat/completions", {**chat_body(stream=False), "tools": [REMEMBER_FN]}).json()
+    choice = obj["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "remember", "arguments": '{"fact":"x"}'}}]
+
+
+def chat_round_two(results: list[dict]) -> dict:
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "web_fetch", "arguments": "{}"}},
+        {"id": "call_b", "type": "function", "function": {"name": "remember", "arguments": "{}"}}]}
+    body = chat_body("fetch and remember")
+    body["messages"] += [call, *results]
+    body["tools"] = [FETCH_FN, REMEMBER_FN]
+    return body
+
+
+def test_chat_second_round_is_recorded_with_the_call_message_and_results_in_order(sim):
+    sim.enqueue(Script([Text("Both done.")]))
+    results = [{"role": "tool", "tool_call_id": "call_a", "content": "page text"},
+               {"role": "tool", "tool_call_id": "call_b", "content": "Saved"}]
+    r = post(sim, "/v1/chat/completions", chat_round_two(results))
+    assert r.status_code == 200 and finish_of(r.text) == "stop"
+    sent = sim.requests[-1].body["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool", "tool"]
+    assert [m.get("tool_call_id") for m in sent[2:]] == ["call_a", "call_b"]
+
+
+def test_chat_a_call_without_its_result_or_a_stray_result_is_a_400(sim):
+    missing = post(sim, "/v1/chat/completions",
+                   chat_round_two([{"role": "tool", "tool_call_id": "call_a", "content": "page text"}]))
+    assert missing.status_code == 400
+    assert missing.json()["error"]["message"] == (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        "'tool_call_id'. The following tool_call_ids did not have response messages: call_b")
+    body = chat_body("hi")
+    body["messages"].append({"role": "tool", "tool_call_id": "call_zz", "content": "orphan"})
+    stray = post(sim, "/v1/chat/completions", body)
+    assert stray.status_code == 400 and "must be a response to a preceeding message with 'tool_calls'" in \
+        stray.json()["error"]["message"]
+
+
+def test_messages_tool_use_streams_input_json_pieces_next_to_server_tools(sim):
+    sim.enqueue(Script([Search("seoul weather", [{"url": "https://kma.go.kr", "title": "KMA"}]),
+                        ToolCall("remember", {"fact": "Lives in Seoul"}, id="toolu_1", chunk_chars=5),
+                        ToolCall("remember", '{"fact": ', id="toolu_2")]))
+    body = messages_body("weather?", tools=True)
+    body["tools"].append(REMEMBER_TOOL)
+    events = message_events(post(sim, "/v1/messages", body).text)
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["server_tool_use", "web_search_tool_result", "tool_use", "tool_use"]
+    assert starts[2] == {"type": "tool_use", "id": "toolu_1", "name": "remember", "input": {}}
+    pieces = [e["delta"] for e in events if e["type"] == "content_block_delta" and e["index"] == 2]
+    assert pieces[0] == {"type": "input_json_delta", "partial_json": ""} and len(pieces) > 3
+    assert json.loads("".join(p["partial_json"] for p in pieces)) == {"fact": "Lives in Seoul"}
+    malformed = "".join(e["delta"]["partial_json"] for e in events
+                        if e["type"] == "content_block_delta" and e["index"] == 3)
+    assert malformed == '{"fact": '
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert stops == [0, 1, 2, 3]
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["delta"]["stop_reason"] == "tool_use"
+    assert delta["usage"]["server_tool_use"] == {"web_search_requests": 1, "web_fetch_requests": 0}
+
+
+def messages_round_two(result_ids: list[str]) -> dict:
+    body = messages_body("remember two things")
+    body["tools"] = [REMEMBER_TOOL]
+    body["messages"] += [
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Saving."},
+            {"type": "tool_use", "id": "toolu_1", "name": "remember", "input": {"fact": "a"}},
+            {"type": "tool_use", "id": "toolu_2", "name": "remember", "input": {"fact": "b"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": "Saved"} for i in result_ids]}]
+    return body
+
+
+def test_messages_tool_results_in_the_next_request_are_recorded_in_order(sim):
+    sim.enqueue(Script([Text("Saved both.")]))
+    r = post(sim, "/v1/messages", messages_round_two(["toolu_1", "toolu_2"]))
+    assert r.status_code == 200
+    assert next(e for e in message_events(r.text) if e["type"] == "message_delta")["delta"]["stop_reason"] == "end_turn"
+    sent = sim.requests[-1].body["messages"]
+    assert [b["tool_use_id"] for b in sent[-1]["content"]] == ["toolu_1", "toolu_2"]
+
+
+def test_messages_missing_or_stray_tool_results_are_a_400(sim):
+    missing = post(sim, "/v1/messages", messages_round_two(["toolu_1"]))
+    assert missing.status_code == 400
+    assert missing.json()["error"] == {"type": "invalid_request_error", "message": (
+        "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_2. "
+        "Each `tool_use` block must have a corresponding `tool_result` block in the next message.")}
+    stray = post(sim, "/v1/messages", messages_round_two(["toolu_1", "toolu_2", "toolu_9"]))
+    assert stray.status_code == 400 and "unexpected `tool_use_id` found in `tool_result` blocks: toolu_9" in \
+        stray.json()["error"]["message"]
+
+
+def test_a_model_that_never_stops_calling_until_tools_are_taken_away(sim):
+    sim.keep_calling(Script([ToolCall("remember", {"fact": "again"})]), answer=Script([Text("Final answer.")]))
+    with_tools = {**chat_body(), "tools": [REMEMBER_FN]}
+    for _ in range(3):
+        r = post(sim, "/v1/chat/completions", with_tools)
+        assert finish_of(r.text) == "tool_calls" and assembled_calls(r.text)[0]["name"] == "remember"
+    assert len({assembled_calls(post(sim, "/v1/chat/completions", with_tools).text)[0]["id"] for _ in range(2)}) == 2
+    for body in (chat_body(), {**with_tools, "tool_choice": "none"}):
+        r = post(sim, "/v1/chat/completions", body)
+        assert finish_of(r.text) == "stop" and tool_deltas(r.text) == []
+        assert chat_text(r.text) == "Final answer."
+    on_messages = {**messages_body(), "tools": [REMEMBER_TOOL]}
+    events = message_events(post(sim, "/v1/messages", on_messages).text)
+    assert next(e for e in events if e["type"] == "message_delta")["delta"]["stop_reason"] == "tool_use"
+    sim.reset()
+    assert tool_deltas(post(sim, "/v1/chat/completions", with_tools).text) == []
+
+
+def test_the_demo_gateway_shows_a_simulated_tool_round(sim):
+    first = post(sim, "/v1/chat/completions", {**chat_body("Please remember that I take my tea without sugar."),
+                                                 "tools": [REMEMBER_FN, FETCH_FN]})
+    calls = assembled_calls(first.text)
+    assert json.loads(calls[0]["arguments"]) == {"fact": "I take my tea without sugar."}
+    assert "SIMULATED tool call" in chat_text(first.text) and finish_of(first.text) == "tool_calls"
+    body = {**chat_body("Please remember that I take my tea without sugar."), "tools": [REMEMBER_FN, FETCH_FN]}
+    body["messages"] += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0]["id"], "type": "function", "function": {"name": "remember", "arguments": calls[0]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "Saved to memory: I take my tea without sugar."}]
+    second = post(sim, "/v1/chat/completions", body)
+    text = chat_text(second.text)
+    assert tool_deltas(second.text) == [] and finish_of(second.text) == "stop"
+    assert "SIMULATED reply after a tool round" in text and "`remember` returned: `Saved to memory" in text
+
+
+def test_the_demo_gateway_fetches_a_url_with_a_client_tool_on_messages(sim):
+    body = {**messages_body("What does https://example.org/post say?"), "tools": [
+        {"name": "web_fetch", "description": "Read a page.",
+         "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}}}]}
+    events = message_events(post(sim, "/v1/messages", body).text)
+    use = next(e["content_block"] for e in events if e["type"] == "content_block_start"
+               and e["content_block"]["type"] == "tool_use")
+    pieces = "".join(e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
+                     and e["delta"]["type"] == "input_json_delta")
+    assert use["name"] == "web_fetch" and json.loads(pieces) == {"url": "https://example.org/post"}
+    assert not any(e["type"] == "content_block_start" and e["content_block"]["type"] == "server_tool_use"
+                   for e in events)  # a client tool named web_fetch is not the gateway's server tool
+
+
+def test_ollama_style_parallel_calls_share_index_0_and_come_whole(sim):
+    sim.enqueue(Script([ToolCall("remember", {"fact": "a"}, id="call_1", chunk_chars=0, index=0),
+                        ToolCall("remember", {"fact": "b"}, id="call_2", chunk_chars=0, index=0)], finish="stop"))
+    r = post(sim, "/v1/chat/completions", {**chat_body(), "tools": [REMEMBER_FN]})
+    assert [(d["index"], d["id"], d["function"]["arguments"]) for d in tool_deltas(r.text)] == [
+        (0, "call_1", '{"fact":"a"}'), (0, "call_2", '{"fact":"b"}')]
+    assert finish_of(r.text) == "stop"
