@@ -12,6 +12,8 @@
 // remembered, and blocks nest at most MAX_DEPTH deep. `work.steps` counts what the hand-written
 // scans visit, so a test can bound the work without timing it.
 
+import { node as el } from "./ui.js";
+
 const FENCE_OPEN_RE = /^(\s*)(`{3,}|~{3,})/;
 const HEADING_OPEN_RE = /^ {0,3}(#{1,6})(?=[ \t]|$)/;
 const HR_RE = /^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$/;
@@ -191,12 +193,6 @@ function isClosingFence(line, marker) {
   return !!m && m[1][0] === marker[0] && m[1].length >= marker.length;
 }
 
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function indentOf(line) {
   let cols = 0;
