@@ -157,11 +157,13 @@ async function newConversation() {
 }
 
 async function findUntouched() {
-  const candidates = state.conversations.filter((c) => c.message_count === 0 && !c.title).slice(0, 5);
+  // The server names a new conversation with the same words the page shows for no title.
+  const untitled = (title) => !title || title === UNTITLED;
+  const candidates = state.conversations.filter((c) => c.message_count === 0 && untitled(c.title)).slice(0, 5);
   for (const c of candidates) {
     if (localStorage.getItem(draftKey(c.id))) continue;
     const conv = c.id === state.conv?.id ? state.conv : await api.conversation(c.id).catch(() => null);
-    const untouched = conv && !conv.messages.length && !conv.archive?.length && !conv.title &&
+    const untouched = conv && !conv.messages.length && !conv.archive?.length && untitled(conv.title) &&
       (conv.created_at === conv.updated_at || state.reusable.has(conv.id));
     if (untouched) return conv;
   }
