@@ -330,6 +330,8 @@ function renderTranscript() {
   const messages = state.conv?.messages || [];
   const options = { reasoning: isReasoning };
   const archive = renderArchive(state.conv?.archive, options);
+  // Re-reading the conversation keeps folded history open if the person opened it.
+  if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
   el.messages.replaceChildren(...(archive ? [archive] : []), ...messages.map((m) => renderMessage(m, options)));
   renderGreeting();
   renderRegenerate();

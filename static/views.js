@@ -25,10 +25,12 @@ export function cachedPercent(cached, input) {
 /** The header's cost item: a number alone only when every reply reported its cost. */
 export function describeCost(totals) {
   const unknown = totals.cost_unreported || 0;
-  if (!unknown) return formatCost(totals.cost || 0);
-  const replies = Math.max(totals.turns || 0, unknown);
-  if (unknown >= replies) return replies === 1 ? "cost unknown" : `cost unknown for all ${replies} replies`;
-  return `cost unknown for ${unknown} of ${replies} replies; ${formatCost(totals.cost || 0)} for the rest`;
+  const cost = totals.cost || 0;
+  if (!unknown) return formatCost(cost);
+  // `turns` counts replies; unreported calls may also include the summarizer's.
+  const replies = totals.turns || 0;
+  if (unknown < replies) return `cost unknown for ${unknown} of ${replies} replies; ${formatCost(cost)} for the rest`;
+  return cost > 0 ? `cost unknown; ${formatCost(cost)} reported` : "cost unknown";
 }
 
 /** The header's session totals as [key, text] items. */

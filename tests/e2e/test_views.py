@@ -163,8 +163,9 @@ CONTEXT = {"budget": 4000, "persona": 300, "memory": 100, "summary": 536, "histo
 @pytest.mark.parametrize(("totals", "cost"), [
     ({"cost": 0.0123, "cost_unreported": 0, "turns": 9}, "$0.0123"),
     ({"cost": 0.0123, "cost_unreported": 7, "turns": 9}, "cost unknown for 7 of 9 replies; $0.0123 for the rest"),
-    ({"cost": 0, "cost_unreported": 3, "turns": 3}, "cost unknown for all 3 replies"),
-    ({"cost": 0, "cost_unreported": 1, "turns": 1}, "cost unknown"),
+    ({"cost": 0, "cost_unreported": 3, "turns": 3}, "cost unknown"),
+    # A summarizer call whose cost went unreported counts too, though it is no reply.
+    ({"cost": 0.002, "cost_unreported": 4, "turns": 3}, "cost unknown; $0.0020 reported"),
 ])
 def test_the_cost_never_reads_as_a_number_alone_when_some_went_unreported(blank, totals, cost):
     assert header(blank, {"totals": {**TOTALS, **totals}, "context": CONTEXT})["cost"] == cost
