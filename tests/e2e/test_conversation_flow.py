@@ -257,3 +257,33 @@ def test_rename_and_delete_are_reachable_on_a_phone(browser, server, page):
         screenshot(phone, "phone-sidebar-actions")
     finally:
         phone.context.close()
+
+
+CSP = "default-src 'self'; object-src 'none'; frame-ancestors 'none'"
+
+
+def test_the_page_runs_under_a_strict_content_security_policy(browser, server, sim):
+    context = browser.new_context()
+    violations: list[str] = []
+    errors: list[str] = []
+    page = context.new_page()
+    page.on("console", lambda m: "Content Security Policy" in m.text and violations.append(m.text))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    def with_policy(route):
+        response = route.fetch()
+        route.fulfill(response=response, headers={**response.headers, "content-security-policy": CSP})
+
+    page.route(f"{server.base_url}/", with_policy)
+    try:
+        page.goto(server.base_url)
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        sim.enqueue(Script([steps.Text("Under **policy**: `code` and a [link](https://example.com).\n\n| a | b |\n|---|--:|\n| 1 | 2 |")]))
+        new_conversation(page)
+        send(page, "Hello")
+        expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+        page.get_by_test_id("settings-open").click()
+        expect(page.get_by_role("dialog", name="Settings")).to_be_visible()
+        assert violations == [] and errors == []
+    finally:
+        context.close()
