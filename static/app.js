@@ -329,7 +329,8 @@ function renderTranscript() {
   const stick = nearBottom();
   const messages = state.conv?.messages || [];
   const options = { reasoning: isReasoning };
-  const archive = renderArchive(state.conv?.archive, options);
+  const notices = [...(state.conv?.archive || []), ...messages].filter((m) => m.role === "notice");
+  const archive = renderArchive(state.conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
   // Re-reading the conversation keeps folded history open if the person opened it.
   if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
   el.messages.replaceChildren(...(archive ? [archive] : []), ...messages.map((m) => renderMessage(m, options)));

@@ -162,13 +162,13 @@ export function renderMessage(m, { reasoning = () => false, test = "message" } =
  * shown collapsed at the top, each marked as folded. Their own notices come with them, in order.
  */
 export function renderArchive(archive, options = {}) {
-  const shown = (archive || []).filter((m) => m.role !== "notice");
   if (!archive?.length) return null;
   const box = node("details", "folded");
   box.dataset.test = "folded";
-  const n = shown.length;
-  box.append(node("summary", "folded-line",
-    `${n} earlier ${n === 1 ? "message" : "messages"} folded into the summary`));
+  const n = archive.filter((m) => m.role !== "notice").length;
+  // A failed summarizer drops messages without folding them into anything: say so then.
+  const how = options.dropped ? "left the context (folded or dropped)" : "folded into the summary";
+  box.append(node("summary", "folded-line", `${n} earlier ${n === 1 ? "message" : "messages"} ${how}`));
   const list = node("div", "folded-messages");
   list.append(...archive.map((m) => {
     const el = renderMessage(m, { ...options, test: "folded-message" });

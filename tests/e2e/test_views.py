@@ -185,3 +185,30 @@ def test_without_a_reserve_the_bar_shows_the_prompt_alone(blank):
     got = header(blank, {"totals": {**TOTALS, "cost": 0, "cost_unreported": 0, "turns": 1}, "context": CONTEXT})
     assert "reserve" not in got["segments"] and got["reserve"] is None
     assert got["label"] == "2,436 / 4,000 tokens" and not got["over"]
+
+
+@pytest.mark.parametrize(("dropped", "line"), [
+    (False, "2 earlier messages folded into the summary"),
+    (True, "2 earlier messages left the context (folded or dropped)"),
+])
+def test_folded_history_is_collapsed_and_marked(blank, dropped, line):
+    got = blank.evaluate(
+        """async ({ dropped }) => {
+          const { renderArchive } = await import('/static/views.js');
+          const box = renderArchive([
+            { id: 'a', role: 'user', content: 'Old question' },
+            { id: 'b', role: 'assistant', content: 'Old **answer**', status: 'complete' },
+            { id: 'c', role: 'notice', content: 'Folded 2 earlier messages.' },
+          ], { dropped });
+          return {
+            open: box.open, line: box.querySelector('summary').textContent,
+            entries: [...box.querySelectorAll('[data-test=folded-message]')].map(
+              (e) => [e.dataset.role, e.dataset.folded, e.querySelector('.bubble, .notice-text').textContent]),
+            none: renderArchive([], {}) === null && renderArchive(undefined, {}) === null,
+          };
+        }""",
+        {"dropped": dropped},
+    )
+    assert not got["open"] and got["line"] == line and got["none"]
+    assert got["entries"] == [["user", "true", "Old question"], ["assistant", "true", "Old answer"],
+                              ["notice", "true", "Folded 2 earlier messages."]]
