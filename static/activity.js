@@ -1,14 +1,20 @@
 // The activity trail: what the model did before and while answering (thought, searched, read).
 //
-// Steps have the shape the server saves with each message (events.py `accumulate`):
+// Steps have the shape the server saves with each message:
 //   {kind: "thinking", text, started_at, ended_at}
-//   {kind: "search", query, results: [{url, title}] | null, domains, at, error?}
+//   {kind: "search", query, results: [{url, title}] | null, at, error?}
 //   {kind: "fetch", url, title, ok, at, error?}
-// so a live trail and a saved one render through the same code. Times are in seconds.
+// Everything shown (domains, counts, durations) is derived here from those raw facts, the same
+// way for a live trail and a saved one; anything else a saved step carries (an old `domains`
+// list) is ignored. Times are in seconds.
 
 import { safeUrl } from "./markdown.js";
+import { node } from "./ui.js";
 
-/** Fold one turn-stream event (reasoning, search, fetch) into `steps`, in place. */
+/**
+ * Fold one turn-stream event (reasoning, search, fetch) into `steps`, in place. Returns the index
+ * of the step it changed or added, so a trail redraws that step alone.
+ */
 export function accumulateActivity(steps, event, data, now = Date.now() / 1000) {
   if (event === "reasoning") {
     const last = steps.at(-1);
@@ -18,33 +24,34 @@ export function accumulateActivity(steps, event, data, now = Date.now() / 1000) 
     } else {
       steps.push({ kind: "thinking", text: data.text, started_at: now, ended_at: now });
     }
-  } else if (event === "search") {
+    return steps.length - 1;
+  }
+  if (event === "search") {
     // The first event announces the query (results null); the second brings results or an error.
     const done = data.results || data.error;
-    const pending = done ? steps.findLast((s) => s.kind === "search" && s.results === null && !s.error) : null;
-    const step = pending ?? { kind: "search", query: data.query, at: now };
-    if (!pending) steps.push(step);
+    const index = done ? steps.findLastIndex((s) => s.kind === "search" && s.results === null && !s.error) : -1;
+    const step = index === -1 ? { kind: "search", query: data.query, at: now } : steps[index];
+    if (index === -1) steps.push(step);
     step.results = data.results ?? null;
-    step.domains = domainsOf(data.results ?? []);
     if (data.error) step.error = data.error;
-  } else if (event === "fetch") {
+    return index === -1 ? steps.length - 1 : index;
+  }
+  if (event === "fetch") {
     const step = { kind: "fetch", url: data.url, title: data.title ?? null, ok: !!data.ok, at: now };
     if (data.error) step.error = data.error;
     steps.push(step);
+    return steps.length - 1;
   }
-  return steps;
+  return -1;
 }
 
-function domainOf(url) {
+/** The site a URL belongs to, as a person names it: host without `www.`. */
+export function domainOf(url) {
   try {
     return new URL(url).hostname.replace(/^www\./, "");
   } catch {
     return url;
   }
-}
-
-function domainsOf(results) {
-  return [...new Set(results.map((r) => domainOf(r.url)))].sort();
 }
 
 function plural(n, one, many) {
@@ -85,13 +92,6 @@ function liveLine(steps) {
   return summarizeActivity(steps);
 }
 
-function node(tag, className, text) {
-  const el = document.createElement(tag);
-  if (className) el.className = className;
-  if (text !== undefined) el.textContent = text;
-  return el;
-}
-
 function link(url, text) {
   const href = safeUrl(url);
   if (!href) return node("span", null, text);
@@ -102,11 +102,15 @@ function link(url, text) {
   return a;
 }
 
+function thinkingTitle(step) {
+  const secs = Math.round(Math.max(0, step.ended_at - step.started_at));
+  return secs >= 1 ? `Thought for ${secs}s` : "Thought";
+}
+
 function renderStep(step) {
   const li = node("li", `step step-${step.kind}`);
   if (step.kind === "thinking") {
-    const secs = Math.round(Math.max(0, step.ended_at - step.started_at));
-    li.append(node("div", "step-title", secs >= 1 ? `Thought for ${secs}s` : "Thought"));
+    li.append(node("div", "step-title", thinkingTitle(step)));
     // Reasoning is model output like the reply: shown as plain text, never parsed as markup.
     li.append(node("div", "thinking-text", step.text));
   } else if (step.kind === "search") {
@@ -148,16 +152,43 @@ export class ActivityTrail {
     this.summary = node("summary", "activity-line");
     this.timeline = node("ol", "timeline");
     this.el.append(this.summary, this.timeline);
+    // The drawn steps: [{li, text}] where `text` is how much of a thought is already shown.
+    this.drawn = [];
   }
 
-  /** Draw `steps`; `live` while streaming; `waitingForThought` shows "Thinking…" before any step. */
-  render(steps, { live = false, waitingForThought = false } = {}) {
+  /**
+   * Draw `steps`; `live` while streaming; `waitingForThought` shows "Thinking…" before any step.
+   * `changed` is the one step that changed since the last draw (from accumulateActivity): only it
+   * is redrawn, and a growing thought only gets its new words, so a long thought costs its length
+   * once rather than once per chunk.
+   */
+  render(steps, { live = false, waitingForThought = false, changed = null } = {}) {
     this.el.hidden = !steps.length && !(live && waitingForThought);
     this.el.classList.toggle("live", live);
     this.summary.textContent = live ? liveLine(steps) : summarizeActivity(steps);
-    this.timeline.replaceChildren(...steps.map(renderStep));
+    if (changed === null || this.drawn.length < changed || this.drawn.length > steps.length) {
+      this.drawn = steps.map((step) => ({ li: renderStep(step), text: step.text?.length ?? 0 }));
+      this.timeline.replaceChildren(...this.drawn.map((d) => d.li));
+    } else if (changed >= 0) {
+      this.redraw(steps, changed);
+    }
     const thought = this.timeline.querySelector(".step-thinking:last-child .thinking-text");
     if (live && thought) thought.scrollTop = thought.scrollHeight;
+  }
+
+  redraw(steps, index) {
+    const step = steps[index];
+    const drawn = this.drawn[index];
+    if (drawn && step.kind === "thinking" && drawn.li.classList.contains("step-thinking")) {
+      drawn.li.querySelector(".step-title").textContent = thinkingTitle(step);
+      drawn.li.querySelector(".thinking-text").append(step.text.slice(drawn.text));
+      drawn.text = step.text.length;
+      return;
+    }
+    const fresh = { li: renderStep(step), text: step.text?.length ?? 0 };
+    if (drawn) drawn.li.replaceWith(fresh.li);
+    else this.timeline.append(fresh.li);
+    this.drawn[index] = fresh;
   }
 }
 

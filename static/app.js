@@ -5,10 +5,11 @@
 import { api, ApiError, openTurn } from "./api.js";
 import { showAccountLogin, startAuth } from "./auth.js";
 import { readEvents } from "./sse.js";
-import { SettingsPanel, tierLabel } from "./settings.js";
+import { SettingsPanel } from "./settings.js";
+import { UNTITLED, button, node, tierLabel } from "./ui.js";
 import {
-  AssistantView, cachedPercent, describeCompression, formatCost, formatTokens,
-  renderNotice, renderUser,
+  AssistantView, contextBar, copyText, describeCompression, renderArchive, renderMessage, renderNotice,
+  renderUser, usageItems,
 } from "./views.js";
 
 const $ = (id) => document.getElementById(id);
@@ -30,6 +31,7 @@ const el = {
   composer: $("composer"),
   send: $("send"),
   banner: $("demo-banner"),
+  greeting: $("greeting"),
   toast: $("toast"),
 };
 
@@ -45,6 +47,8 @@ const state = {
   // The failure line under the transcript: an error event's data plus what a retry resends.
   failure: null,
   countdown: null,
+  // Conversations left empty by a first message that failed: "+ New" may take them again.
+  reusable: new Set(),
 };
 
 const settings = new SettingsPanel({
@@ -139,11 +143,32 @@ async function openConversation(id) {
   scrollToBottom(true);
 }
 
+/**
+ * Open an empty conversation: one nobody has touched yet if there is one (no messages, no title,
+ * no draft, no change since it was made), else a new one. So "+ New" clicked again and again, or
+ * after a first message that failed, does not pile up empty conversations.
+ */
 async function newConversation() {
-  const conv = await api.createConversation({ model: el.picker.value || undefined });
+  const conv = (await findUntouched()) ?? (await api.createConversation({ model: el.picker.value || undefined }));
   await loadList();
   await openConversation(conv.id);
   el.composer.focus();
+  // For tests: counts finished "+ New" actions, whether they made a conversation or reused one.
+  document.body.dataset.newCount = String(Number(document.body.dataset.newCount || 0) + 1);
+}
+
+async function findUntouched() {
+  // The server names a new conversation with the same words the page shows for no title.
+  const untitled = (title) => !title || title === UNTITLED;
+  const candidates = state.conversations.filter((c) => c.message_count === 0 && untitled(c.title)).slice(0, 5);
+  for (const c of candidates) {
+    if (localStorage.getItem(draftKey(c.id))) continue;
+    const conv = c.id === state.conv?.id ? state.conv : await api.conversation(c.id).catch(() => null);
+    const untouched = conv && !conv.messages.length && !conv.archive?.length && untitled(conv.title) &&
+      (conv.created_at === conv.updated_at || state.reusable.has(conv.id));
+    if (untouched) return conv;
+  }
+  return null;
 }
 
 // ---------------------------------------------------------------- rendering
@@ -179,7 +204,7 @@ function renderListItem(c) {
     li.classList.add("active");
     li.setAttribute("aria-current", "true");
   }
-  const title = c.title || "New conversation";
+  const title = c.title || UNTITLED;
   const open = document.createElement("button");
   open.type = "button";
   open.className = "conv-open";
@@ -194,23 +219,12 @@ function renderListItem(c) {
   open.append(name, meta);
   open.addEventListener("click", () => openConversation(c.id).catch(showError));
 
-  const rename = iconButton("✎", `Rename “${title}”`, () => startRename(li, c));
-  const del = iconButton("🗑", `Delete “${title}”`, () => confirmDelete(del, c));
-  del.classList.add("conv-delete");
+  const rename = button("✎", { className: "icon small", label: `Rename “${title}”`, onClick: () => startRename(li, c) });
+  const del = button("🗑", { className: "icon small conv-delete", label: `Delete “${title}”` });
+  del.addEventListener("click", () => confirmDelete(del, c));
   del.addEventListener("blur", () => disarmDelete(del));
   li.append(open, rename, del);
   return li;
-}
-
-function iconButton(text, label, onClick) {
-  const b = document.createElement("button");
-  b.type = "button";
-  b.className = "icon small";
-  b.textContent = text;
-  b.setAttribute("aria-label", label);
-  b.title = label;
-  b.addEventListener("click", onClick);
-  return b;
 }
 
 function startRename(li, c) {
@@ -280,7 +294,7 @@ async function deleteConversation(id) {
 
 function renderHeader() {
   const conv = state.conv;
-  el.title.textContent = conv?.title || "New conversation";
+  el.title.textContent = conv?.title || UNTITLED;
   document.title = conv?.title ? `${conv.title} · Chat` : "Chat";
   renderPicker();
   renderUsage(conv?.totals);
@@ -292,59 +306,20 @@ function renderUsage(t) {
     el.usage.replaceChildren();
     return;
   }
-  const items = [
-    ["in", `${formatTokens(t.input_tokens)} in`],
-    ["out", `${formatTokens(t.output_tokens)} out`],
-    ["cached", `${cachedPercent(t.cached_tokens, t.input_tokens)} cached`],
-    ["searches", `${t.searches} ${t.searches === 1 ? "search" : "searches"}`],
-    ["fetches", `${t.fetches} ${t.fetches === 1 ? "fetch" : "fetches"}`],
-    ["cost", formatCost(t.cost || 0) + (t.cost_unreported > 0 ? ` +${t.cost_unreported} unreported` : "")],
-    ["turns", `${t.turns} ${t.turns === 1 ? "turn" : "turns"}`],
-  ];
-  el.usage.replaceChildren(...items.map(([key, text]) => {
-    const span = document.createElement("span");
-    span.className = `usage-${key}`;
-    span.textContent = text;
-    return span;
-  }));
+  el.usage.replaceChildren(...usageItems(t).map(([key, text]) => node("span", `usage-${key}`, text)));
   el.usage.title = "Session totals for this conversation. Cached % is the share of input read from the prompt cache.";
 }
-
-const CONTEXT_PARTS = [
-  ["persona", "Persona"],
-  ["memory", "Memory"],
-  ["summary", "Summary"],
-  ["history", "History"],
-];
 
 function renderContext(ctx) {
   if (!ctx) {
     el.contextBar.replaceChildren();
     return;
   }
-  const used = CONTEXT_PARTS.reduce((sum, [key]) => sum + (ctx[key] || 0), 0);
-  const scale = Math.max(ctx.budget, used) || 1;
-  const track = document.createElement("div");
-  track.className = "context-track";
-  for (const [key, label] of CONTEXT_PARTS) {
-    const seg = document.createElement("div");
-    seg.className = `context-seg seg-${key}`;
-    seg.dataset.segment = key;
-    seg.dataset.tokens = String(ctx[key] || 0);
-    seg.style.width = `${(100 * (ctx[key] || 0)) / scale}%`;
-    seg.title = `${label}: ${formatTokens(ctx[key])} tokens`;
-    track.append(seg);
-  }
-  const label = document.createElement("span");
-  label.className = "context-label";
-  // Until a turn has measured the prompt, the numbers are local estimates.
-  const approx = ctx.measured === false ? "≈ " : "";
-  label.textContent = `${approx}${formatTokens(used)} / ${formatTokens(ctx.budget)} tokens`;
-  el.contextBar.classList.toggle("over", used > ctx.budget);
-  el.contextBar.title = CONTEXT_PARTS.map(([key, name]) => `${name} ${formatTokens(ctx[key])}`).join(" · ") +
-    ` of a ${formatTokens(ctx.budget)}-token budget`;
-  el.contextBar.setAttribute("aria-label", `Context: ${el.contextBar.title}`);
-  el.contextBar.replaceChildren(track, label);
+  const { items, over, account } = contextBar(ctx);
+  el.contextBar.classList.toggle("over", over);
+  el.contextBar.title = account;
+  el.contextBar.setAttribute("aria-label", `Context: ${account}`);
+  el.contextBar.replaceChildren(...items);
 }
 
 function isReasoning(model) {
@@ -354,30 +329,36 @@ function isReasoning(model) {
 function renderTranscript() {
   const stick = nearBottom();
   const messages = state.conv?.messages || [];
-  el.messages.replaceChildren(...messages.map((m) => {
-    if (m.role === "user") return renderUser(m);
-    if (m.role === "notice") return renderNotice(m);
-    return AssistantView.fromMessage(m, { reasoning: isReasoning(m.model) }).el;
-  }));
+  const options = { reasoning: isReasoning };
+  const notices = [...(state.conv?.archive || []), ...messages].filter((m) => m.role === "notice");
+  const archive = renderArchive(state.conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
+  // Re-reading the conversation keeps folded history open if the person opened it.
+  if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
+  el.messages.replaceChildren(...(archive ? [archive] : []), ...messages.map((m) => renderMessage(m, options)));
+  renderGreeting();
   renderRegenerate();
   renderFailure();
   scrollToBottom(stick);
 }
 
-/** Only the last message, if it is a finished assistant reply, offers Regenerate. */
+/** An empty conversation greets with what this is and a few prompts to start from. */
+function renderGreeting() {
+  el.greeting.hidden = !!(state.turn || state.conv?.messages?.length || state.conv?.archive?.length);
+}
+
+/**
+ * Only the last message, if it is a finished assistant reply, offers Regenerate; not when the
+ * failure line under it already offers a Retry that would do the same.
+ */
 function renderRegenerate() {
   for (const old of el.messages.querySelectorAll("[data-test=regenerate]")) old.remove();
-  if (state.turn) return;
-  const last = [...el.messages.children].filter((m) => m.dataset.role !== "notice").at(-1);
+  if (state.turn || (state.failure && failureOffersTheWayBack(state.failure))) return;
+  const last = [...el.messages.children].filter((m) => m.dataset.role && m.dataset.role !== "notice").at(-1);
   if (!last || last.dataset.role !== "assistant") return;
-  const button = document.createElement("button");
-  button.type = "button";
-  button.className = "small";
-  button.dataset.test = "regenerate";
-  button.textContent = "↻ Regenerate";
-  button.title = "Answer the last message again with the model selected above";
-  button.addEventListener("click", () => regenerate());
-  last.querySelector(".message-actions").append(button);
+  const regen = button("↻ Regenerate", { onClick: () => regenerate() });
+  regen.dataset.test = "regenerate";
+  regen.title = "Answer the last message again with the model selected above";
+  last.querySelector(".message-actions").append(regen);
 }
 
 function setStreaming(streaming) {
@@ -407,6 +388,7 @@ async function send() {
   setComposer("");
   const userEl = renderUser({ content: text });
   el.messages.append(userEl);
+  el.greeting.hidden = true;
   await runTurn("messages", { content: text }, { userEl, text });
 }
 
@@ -483,7 +465,7 @@ function handleEvent(turn, event, data) {
       view.addText(data.text);
       break;
     case "warning":
-      view.addWarning(data.message);
+      view.addWarning(data.message, data.code);
       break;
   }
 }
@@ -497,10 +479,10 @@ async function settleTurn(turn, outcome, text) {
       if (here) await refresh();
       return;
     case "aborted":
-      // The server saves the interrupted reply once it notices the closed connection; the page
-      // shows the same result now and re-reads the conversation when the server is done.
-      if (view.isEmpty) view.el.remove();
-      else view.setFinal("interrupted");
+      // The server saves the interrupted reply once it notices the closed connection (even one
+      // stopped before its first word: it was billed); the page shows the same result now and
+      // re-reads the conversation when the server is done.
+      view.setFinal("interrupted");
       if (here) {
         renderRegenerate();
         syncAfterStop(turn.convId);
@@ -520,19 +502,25 @@ async function settleTurn(turn, outcome, text) {
         showError(err);
         renderFailure();
       });
+      noteIfLeftEmpty(turn.convId);
       return;
     }
-    case "rejected":
-      // The server refused the request itself (e.g. too long, busy): nothing was saved.
+    case "rejected": {
+      // The server refused the request itself (e.g. too long, busy): nothing was saved. Sending
+      // the same again only helps when the server was busy or failed, not when it said no.
       userEl?.remove();
       view.el.remove();
       if (text != null) returnDraft(turn.convId, text);
       if (!here) return;
+      const status = outcome.error.status;
       state.failure = {
         kind: "request", message: outcome.error.message, draft: text, retry_after: null,
+        retryable: status === 409 || status >= 500,
       };
       renderTranscript();
+      noteIfLeftEmpty(turn.convId);
       return;
+    }
     default: {
       // The stream ended without `done` or `error`: the server or the network went away.
       if (outcome.error) console.error(outcome.error);
@@ -553,6 +541,11 @@ async function settleTurn(turn, outcome, text) {
       renderFailure();
     }
   }
+}
+
+/** A first message that failed leaves its conversation empty: "+ New" may take it again. */
+function noteIfLeftEmpty(convId) {
+  if (state.conv?.id === convId && !state.conv.messages?.length) state.reusable.add(convId);
 }
 
 /** Wait (briefly) for the server to finish saving a stopped turn, then show its saved state. */
@@ -623,18 +616,25 @@ function renderFailure() {
 
 function hintFor(f) {
   let hint = FAILURE_HINTS[f.kind] || "";
+  if (f.kind === "request" && f.retryable === false) hint = "Change the message and send it again.";
   if (f.draft != null) hint += " Your message is back in the composer.";
   if (f.partial) hint += " The part of the reply that arrived is kept.";
   return hint;
 }
 
 function actionButton(label, onClick, primary = true) {
-  const b = document.createElement("button");
-  b.type = "button";
-  b.className = primary ? "primary small" : "small";
-  b.textContent = label;
+  const b = button(label, { className: primary ? "primary small" : "small" });
   b.addEventListener("click", () => onClick(b));
   return b;
+}
+
+/**
+ * Whether the failure line's own action is the way on (Retry, Compress and retry, settings), so a
+ * Regenerate beside it would only repeat it or fail the same way. After a refusal or with another
+ * model to choose, answering again is a real alternative and Regenerate stays.
+ */
+function failureOffersTheWayBack(f) {
+  return f.kind !== "refused" && f.kind !== "model_unavailable";
 }
 
 function actionsFor(f, hint) {
@@ -653,6 +653,10 @@ function actionsFor(f, hint) {
     case "model_unavailable":
       return [actionButton("Choose another model", chooseModel)];
     default:
+      // The same request again cannot work: the message itself has to change.
+      if (f.retryable === false) {
+        return f.draft != null ? [actionButton("Edit message", () => el.composer.focus())] : [];
+      }
       return [actionButton("Retry", (b) => busy(b, retry))];
   }
 }
@@ -702,8 +706,8 @@ async function retry() {
 }
 
 async function compressAndRetry() {
-  const result = await api.compress(state.conv.id);
-  toast(describeCompression(result));
+  // The notice the server stores at the fold shows in the transcript once the retry refreshes it.
+  await api.compress(state.conv.id);
   await retry();
 }
 
@@ -791,7 +795,8 @@ async function compressNow() {
   el.compressNow.disabled = true;
   try {
     const result = await api.compress(state.conv.id);
-    toast(describeCompression(result));
+    // A fold leaves its notice in the transcript; only "nothing to do" needs saying here.
+    if (!result.folded && !result.dropped) toast(describeCompression(result));
     await refresh();
   } catch (err) {
     showError(err);
@@ -800,23 +805,29 @@ async function compressNow() {
   }
 }
 
-async function copyCode(button) {
-  const code = button.closest(".code-block").querySelector("code").textContent;
-  try {
-    await navigator.clipboard.writeText(code);
-  } catch {
-    // Clipboard API is refused outside secure contexts (plain http on a LAN address).
-    const scratch = document.createElement("textarea");
-    scratch.value = code;
-    document.body.append(scratch);
-    scratch.select();
-    document.execCommand("copy");
-    scratch.remove();
-  }
-  button.textContent = "Copied";
+async function copyCode(copy) {
+  await copyText(copy.closest(".code-block").querySelector("code").textContent);
+  copy.textContent = "Copied";
   setTimeout(() => {
-    button.textContent = "Copy";
+    copy.textContent = "Copy";
   }, 1500);
+}
+
+const BANNER_DISMISSED = "demo-banner-dismissed";
+
+function dismissBanner() {
+  el.banner.hidden = true;
+  localStorage.setItem(BANNER_DISMISSED, "1");
+}
+
+/** The conversation id in the address (#id), or "" when it is missing or not decodable. */
+function hashId() {
+  try {
+    return decodeURIComponent(location.hash.slice(1));
+  } catch {
+    // A hand-typed or truncated address (#%E0%A4%A) names no conversation: open the latest.
+    return "";
+  }
 }
 
 function wire() {
@@ -852,8 +863,15 @@ function wire() {
   });
   el.messages.addEventListener("click", (e) => {
     const copy = e.target.closest("button.copy");
-    if (copy) copyCode(copy);
+    if (copy) copyCode(copy).catch(showError);
   });
+  $("demo-banner-dismiss").addEventListener("click", dismissBanner);
+  for (const example of el.greeting.querySelectorAll("[data-test=example-prompt]")) {
+    example.addEventListener("click", () => {
+      setComposer(example.dataset.prompt || example.textContent);
+      el.composer.focus();
+    });
+  }
   // Closing the tab mid-reply takes the same path as Stop: the fetch is aborted.
   window.addEventListener("pagehide", stop);
 }
@@ -868,8 +886,8 @@ async function boot() {
   ]);
   state.health = health;
   state.presets = presets;
-  el.banner.hidden = !health || health.gateway_configured !== false;
-  const wanted = decodeURIComponent(location.hash.slice(1));
+  el.banner.hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
+  const wanted = hashId();
   const target = state.conversations.find((c) => c.id === wanted) || state.conversations[0];
   if (target) await openConversation(target.id);
   else await newConversation();

@@ -4,19 +4,77 @@
 // `<script>` or `<img onerror>` in a reply stays visible text. Links are kept only for http and
 // https. It covers what chat replies use (headings, lists, quotes, fenced code, tables,
 // emphasis, inline code, links) and deliberately not raw HTML, images or reference links.
+//
+// Model output is hostile input, and one reply that freezes the tab freezes it on every reload.
+// So the work is linear in the text: every pattern matches one way only (no two neighbouring
+// quantifiers that can take the same character; the optional parts of headings, fences and table
+// rows are cut by hand), brackets and parentheses are paired in one pass, failed searches are
+// remembered, and blocks nest at most MAX_DEPTH deep. `work.steps` counts what the hand-written
+// scans visit, so a test can bound the work without timing it.
 
-const FENCE_RE = /^(\s*)(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
-const HEADING_RE = /^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$/;
+import { node as el } from "./ui.js";
+
+const FENCE_OPEN_RE = /^(\s*)(`{3,}|~{3,})/;
+const HEADING_OPEN_RE = /^ {0,3}(#{1,6})(?=[ \t]|$)/;
 const HR_RE = /^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$/;
 const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:([ \t]+)(.*))?$/;
 const QUOTE_RE = /^ {0,3}> ?(.*)$/;
-const TABLE_DELIM_RE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+const DELIM_CELL_RE = /^:?-+:?$/;
+// Deeper quotes and lists render as text: each level re-reads its lines, and recursion is finite.
+const MAX_DEPTH = 16;
+// A bare URL longer than this ends there: it bounds the scan from each candidate start.
+const MAX_BARE_URL = 2048;
+
+export const work = { steps: 0 };
 
 /** Render complete Markdown text into a DocumentFragment. */
 export function renderMarkdown(text) {
   const fragment = document.createDocumentFragment();
-  parseBlocks(text.split(/\r?\n/), fragment);
+  // A lone \r is a line break too; left inside a line it would stop `.` in the line patterns.
+  parseBlocks(text.split(/\r\n|\r|\n/), fragment, 0);
   return fragment;
+}
+
+/** A fence opener as {indent, marker, lang}, or null. A backtick in the info string means inline code. */
+function fenceOpen(line) {
+  const m = FENCE_OPEN_RE.exec(line);
+  if (!m) return null;
+  const info = line.slice(m[0].length);
+  if (info.includes("`")) return null;
+  return { indent: m[1], marker: m[2], lang: /^\s*(\S*)/.exec(info)[1] };
+}
+
+/** Strip spaces and tabs from both ends (String.trim also takes other blanks). */
+function trimBlanks(s) {
+  let a = 0;
+  let b = s.length;
+  while (a < b && (s[a] === " " || s[a] === "\t")) a++;
+  while (b > a && (s[b - 1] === " " || s[b - 1] === "\t")) b--;
+  work.steps += a + s.length - b;
+  return s.slice(a, b);
+}
+
+/** An ATX heading as {level, content}, or null; the optional closing hashes are cut by hand. */
+function heading(line) {
+  const m = HEADING_OPEN_RE.exec(line);
+  if (!m) return null;
+  let content = trimBlanks(line.slice(m[0].length));
+  let k = content.length;
+  while (k > 0 && content[k - 1] === "#") k--;
+  work.steps += content.length - k;
+  if (k === 0) content = "";
+  else if (k < content.length && (content[k - 1] === " " || content[k - 1] === "\t")) {
+    content = trimBlanks(content.slice(0, k));
+  }
+  return { level: m[1].length, content };
+}
+
+/** A table's delimiter row: cells of dashes with optional alignment colons, split by pipes. */
+function isDelimiterRow(line) {
+  let s = line.trim();
+  if (s.startsWith("|")) s = s.slice(1);
+  if (s.endsWith("|")) s = s.slice(0, -1);
+  return s.split("|").every((cell) => DELIM_CELL_RE.test(cell.trim()));
 }
 
 /** The URL if it is an absolute http(s) URL, else null: other schemes can run code. */
@@ -73,8 +131,8 @@ class LineScanner {
         this.afterBlank = false;
       } else {
         if (this.afterBlank && /^\S/.test(line) && !LIST_RE.test(line)) this.boundary = this.pos;
-        const m = FENCE_RE.exec(line);
-        if (m) this.fence = { start: this.pos, bodyStart: end + 1, marker: m[2], lang: m[3] };
+        const open = fenceOpen(line);
+        if (open) this.fence = { start: this.pos, bodyStart: end + 1, marker: open.marker, lang: open.lang };
         this.afterBlank = isBlank(line);
       }
       this.pos = end + 1;
@@ -135,12 +193,6 @@ function isClosingFence(line, marker) {
   return !!m && m[1][0] === marker[0] && m[1].length >= marker.length;
 }
 
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function indentOf(line) {
   let cols = 0;
@@ -165,45 +217,49 @@ function dedent(line, cols) {
 
 const isBlank = (line) => /^\s*$/.test(line);
 
-function startsBlock(lines, i) {
+function startsBlock(lines, i, depth) {
   const line = lines[i];
+  work.steps++;
   return (
-    FENCE_RE.test(line) || HEADING_RE.test(line) || HR_RE.test(line) || QUOTE_RE.test(line) ||
-    (LIST_RE.test(line) && !isBlank(LIST_RE.exec(line)[4] ?? "")) || isTableStart(lines, i)
+    !!fenceOpen(line) || !!heading(line) || HR_RE.test(line) ||
+    (depth < MAX_DEPTH && QUOTE_RE.test(line)) ||
+    (depth < MAX_DEPTH && LIST_RE.test(line) && !isBlank(LIST_RE.exec(line)[4] ?? "")) ||
+    isTableStart(lines, i)
   );
 }
 
-function parseBlocks(lines, parent) {
+function parseBlocks(lines, parent, depth) {
   let i = 0;
   while (i < lines.length) {
     const line = lines[i];
+    work.steps++;
+    let h;
     if (isBlank(line)) {
       i++;
-    } else if (FENCE_RE.test(line)) {
+    } else if (fenceOpen(line)) {
       i = parseFence(lines, i, parent);
-    } else if (HEADING_RE.test(line)) {
-      const [, hashes, content = ""] = HEADING_RE.exec(line);
-      const h = el(`h${hashes.length}`);
-      parseInline(content, h);
-      parent.append(h);
+    } else if ((h = heading(line))) {
+      const node = el(`h${h.level}`);
+      parseInline(h.content, node);
+      parent.append(node);
       i++;
     } else if (HR_RE.test(line)) {
       parent.append(el("hr"));
       i++;
-    } else if (QUOTE_RE.test(line)) {
-      i = parseQuote(lines, i, parent);
-    } else if (LIST_RE.test(line)) {
-      i = parseList(lines, i, parent);
+    } else if (depth < MAX_DEPTH && QUOTE_RE.test(line)) {
+      i = parseQuote(lines, i, parent, depth);
+    } else if (depth < MAX_DEPTH && LIST_RE.test(line)) {
+      i = parseList(lines, i, parent, depth);
     } else if (isTableStart(lines, i)) {
       i = parseTable(lines, i, parent);
     } else {
-      i = parseParagraph(lines, i, parent);
+      i = parseParagraph(lines, i, parent, depth);
     }
   }
 }
 
 function parseFence(lines, i, parent) {
-  const [, indent, marker, lang] = FENCE_RE.exec(lines[i]);
+  const { indent, marker, lang } = fenceOpen(lines[i]);
   const cols = indentOf(indent);
   const code = [];
   let j = i + 1;
@@ -234,23 +290,23 @@ function codeBlock(code, lang, complete) {
   return wrap;
 }
 
-function parseQuote(lines, i, parent) {
+function parseQuote(lines, i, parent, depth) {
   const inner = [];
   while (i < lines.length) {
     const m = QUOTE_RE.exec(lines[i]);
     if (m) inner.push(m[1]);
-    else if (!isBlank(lines[i]) && inner.length && !isBlank(inner.at(-1)) && !startsBlock(lines, i)) {
+    else if (!isBlank(lines[i]) && inner.length && !isBlank(inner.at(-1)) && !startsBlock(lines, i, depth)) {
       inner.push(lines[i]);
     } else break;
     i++;
   }
   const quote = el("blockquote");
-  parseBlocks(inner, quote);
+  parseBlocks(inner, quote, depth + 1);
   parent.append(quote);
   return i;
 }
 
-function parseList(lines, i, parent) {
+function parseList(lines, i, parent, depth) {
   const first = LIST_RE.exec(lines[i]);
   const base = indentOf(first[1]);
   const ordered = /\d/.test(first[2]);
@@ -278,28 +334,28 @@ function parseList(lines, i, parent) {
       item.lines.push("");
     } else if (indent > base + 1) {
       item.lines.push(dedent(line, item.offset));
-    } else if (!isBlank(item.lines.at(-1)) && !startsBlock(lines, i)) {
+    } else if (!isBlank(item.lines.at(-1)) && !startsBlock(lines, i, depth)) {
       item.lines.push(line.trim());
     } else {
       break;
     }
     i++;
   }
-  for (const item of items) list.append(renderItem(item));
+  for (const item of items) list.append(renderItem(item, depth + 1));
   parent.append(list);
   return i;
 }
 
-function renderItem(item) {
+function renderItem(item, depth) {
   const li = el("li");
-  parseBlocks(item.lines, li);
+  parseBlocks(item.lines, li, depth);
   return li;
 }
 
 function isTableStart(lines, i) {
   return (
     i + 1 < lines.length && lines[i].includes("|") && lines[i + 1].includes("|") &&
-    TABLE_DELIM_RE.test(lines[i + 1]) && splitRow(lines[i]).length === splitRow(lines[i + 1]).length
+    isDelimiterRow(lines[i + 1]) && splitRow(lines[i]).length === splitRow(lines[i + 1]).length
   );
 }
 
@@ -342,10 +398,10 @@ function tableRow(cells, tag, aligns) {
   return tr;
 }
 
-function parseParagraph(lines, i, parent) {
+function parseParagraph(lines, i, parent, depth) {
   const text = [lines[i].trim()];
   i++;
-  while (i < lines.length && !isBlank(lines[i]) && !startsBlock(lines, i)) {
+  while (i < lines.length && !isBlank(lines[i]) && !startsBlock(lines, i, depth)) {
     text.push(lines[i].trim());
     i++;
   }
@@ -370,7 +426,41 @@ class InlineParser {
     // Delimiters known to have no closer within a range: any narrower search fails too, so a
     // reply full of unclosed `*` costs one scan per delimiter, not one per occurrence.
     this.noCloser = new Map();
+    // Backtick runs by length: length -> their start positions, ascending. Found on first use.
+    this.tickRuns = null;
+    // Partner of each [ and ( (the ] or ) that closes it), found on first use in one pass.
+    this.partner = null;
     this.inLink = false;
+  }
+
+  /**
+   * Pair brackets and parentheses in one left-to-right pass, skipping escaped characters. The
+   * partner of an opener depends only on the text after it, so this answers every later question
+   * "where does the label starting here end" in O(1) instead of a scan per `[`.
+   */
+  partners() {
+    if (this.partner) return this.partner;
+    const t = this.text;
+    const partner = new Int32Array(t.length).fill(-1);
+    const brackets = [];
+    const parens = [];
+    for (let j = 0; j < t.length; j++) {
+      work.steps++;
+      const c = t[j];
+      if (c === "\\") j++;
+      else if (c === "[") brackets.push(j);
+      else if (c === "]") {
+        if (brackets.length) partner[brackets.pop()] = j;
+      } else if (c === "(") parens.push(j);
+      else if (c === ")") {
+        if (parens.length) partner[parens.pop()] = j;
+      } else if (c === "\n") {
+        // A link destination never spans lines.
+        parens.length = 0;
+      }
+    }
+    this.partner = partner;
+    return partner;
   }
 
   run(parent, start = 0, end = this.text.length) {
@@ -382,6 +472,7 @@ class InlineParser {
     };
     let i = start;
     while (i < end) {
+      work.steps++;
       const ch = t[i];
       if (ch === "\\" && i + 1 < end && PUNCT.includes(t[i + 1])) {
         buf += t[i + 1];
@@ -426,33 +517,51 @@ class InlineParser {
     let n = 0;
     while (t[i + n] === "`") n++;
     const ticks = "`".repeat(n);
-    let j = t.indexOf(ticks, i + n);
-    while (j !== -1 && j < end && t[j + n] === "`") {
-      let k = j;
-      while (t[k] === "`") k++;
-      j = t.indexOf(ticks, k);
-    }
+    // The closer is the next run of exactly as many backticks.
+    const j = this.nextTickRun(n, i + n);
     if (j === -1 || j + n > end) return { node: document.createTextNode(ticks), end: i + n };
     let code = t.slice(i + n, j).replace(/\n/g, " ");
     if (code.length > 2 && code.startsWith(" ") && code.endsWith(" ")) code = code.slice(1, -1);
     return { node: el("code", null, code), end: j + n };
   }
 
+  /** Start of the first run of exactly `n` backticks at or after `from`, or -1. */
+  nextTickRun(n, from) {
+    if (!this.tickRuns) {
+      this.tickRuns = new Map();
+      const t = this.text;
+      for (let k = 0; k < t.length; k++) {
+        work.steps++;
+        if (t[k] !== "`") continue;
+        const start = k;
+        while (t[k + 1] === "`") k++;
+        const length = k - start + 1;
+        if (!this.tickRuns.has(length)) this.tickRuns.set(length, []);
+        this.tickRuns.get(length).push(start);
+      }
+    }
+    const starts = this.tickRuns.get(n) || [];
+    let lo = 0;
+    let hi = starts.length;
+    while (lo < hi) {
+      work.steps++;
+      const mid = (lo + hi) >> 1;
+      if (starts[mid] < from) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo < starts.length ? starts[lo] : -1;
+  }
+
   link(i, end, labelStart) {
     const t = this.text;
-    let depth = 1;
-    let j = labelStart;
-    for (; j < end && depth; j++) {
-      if (t[j] === "\\") j++;
-      else if (t[j] === "[") depth++;
-      else if (t[j] === "]") depth--;
-    }
-    if (depth || t[j] !== "(") return null;
-    const close = matchParen(t, j, end);
-    if (close === -1) return null;
-    const labelEnd = j - 1;
-    const dest = t.slice(j + 1, close).trim().replace(/\s+("[^"]*"|'[^']*')$/, "").replace(/^<(.*)>$/, "$1");
-    const url = safeUrl(dest);
+    const partner = this.partners();
+    const labelEnd = partner[labelStart - 1];
+    if (labelEnd === -1 || labelEnd >= end) return null;
+    const j = labelEnd + 1;
+    if (t[j] !== "(") return null;
+    const close = partner[j];
+    if (close === -1 || close >= end) return null;
+    const url = safeUrl(linkDestination(t.slice(j + 1, close)));
     const isImage = labelStart === i + 2;
     if (!url) {
       // Unsafe or relative target: keep the words, drop the link.
@@ -481,16 +590,22 @@ class InlineParser {
   }
 
   bareUrl(i, end) {
-    const m = /^https?:\/\/[^\s<>]+/.exec(this.text.slice(i, end));
+    const m = BARE_URL_RE.exec(this.text.slice(i, end));
     if (!m) return null;
-    let raw = m[0];
+    let stop = m[0].length;
+    work.steps += stop;
+    let opens = count(m[0], "(");
+    let closes = count(m[0], ")");
     // Sentence punctuation and an unbalanced closing parenthesis end the URL, not belong to it.
     for (;;) {
-      const last = raw.at(-1);
-      if (/[.,:;!?'"*_~]/.test(last)) raw = raw.slice(0, -1);
-      else if (last === ")" && count(raw, "(") < count(raw, ")")) raw = raw.slice(0, -1);
-      else break;
+      const last = m[0][stop - 1];
+      if (".,:;!?'\"*_~".includes(last)) stop--;
+      else if (last === ")" && opens < closes) {
+        stop--;
+        closes--;
+      } else break;
     }
+    const raw = m[0].slice(0, stop);
     const url = safeUrl(raw);
     if (!url) return null;
     const a = anchor(url);
@@ -525,6 +640,7 @@ class InlineParser {
     const t = this.text;
     const ch = delim[0];
     for (let j = from; j < end; j++) {
+      work.steps++;
       if (t[j] === "`") {
         const span = this.codeSpan(j, end);
         j = span.end - 1;
@@ -564,19 +680,24 @@ class InlineParser {
   }
 }
 
-function matchParen(t, open, end) {
-  let depth = 0;
-  for (let j = open; j < end; j++) {
-    if (t[j] === "\\") j++;
-    else if (t[j] === "(") depth++;
-    else if (t[j] === ")" && --depth === 0) return j;
-    else if (t[j] === "\n") return -1;
+const BARE_URL_RE = new RegExp(`^https?://[^\\s<>]{1,${MAX_BARE_URL}}`);
+
+/** A link's target without its optional "title" and <angle brackets>, cut by hand, not by pattern. */
+function linkDestination(inner) {
+  let dest = inner.trim();
+  const quote = dest.at(-1);
+  if (dest.length > 1 && (quote === '"' || quote === "'")) {
+    const open = dest.lastIndexOf(quote, dest.length - 2);
+    if (open > 0 && /\s/.test(dest[open - 1])) dest = dest.slice(0, open).trimEnd();
   }
-  return -1;
+  if (dest.startsWith("<") && dest.endsWith(">") && dest.length > 1) dest = dest.slice(1, -1);
+  return dest;
 }
 
 function count(s, ch) {
-  return s.split(ch).length - 1;
+  let n = 0;
+  for (let k = s.indexOf(ch); k !== -1; k = s.indexOf(ch, k + 1)) n++;
+  return n;
 }
 
 function anchor(url) {

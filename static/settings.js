@@ -1,16 +1,12 @@
-// The Settings dialog: per-conversation settings (PATCH), the memory file (PUT /api/memory) and the
-// model lineup (POST/DELETE /api/models). Invalid input shows the server's own 422 message; the
+// The Settings dialog: per-conversation settings (PATCH) and the memory file (PUT /api/memory),
+// saved together by one Save, and the model lineup (POST/DELETE /api/models), which acts at once.
+// Closing with unsaved edits asks first. Invalid input shows the server's own 422 message; the
 // page does not second-guess the server's validation.
 
 import { api } from "./api.js";
+import { TIERS, node, tierLabel } from "./ui.js";
 
 const $ = (id) => document.getElementById(id);
-
-const TIERS = { fast: "Fast", balanced: "Balanced", frontier: "Frontier" };
-
-export function tierLabel(tier) {
-  return TIERS[tier] || tier;
-}
 
 export class SettingsPanel {
   /**
@@ -29,34 +25,48 @@ export class SettingsPanel {
       tool_instructions: $("set-tool-instructions"),
       compression_prompt: $("set-compression-prompt"),
     };
-    $("settings-close").addEventListener("click", () => this.dialog.close());
+    this.memory = $("memory-editor");
+    // The memory text as last read or saved, to tell an edit from no change.
+    this.savedMemory = null;
+    $("settings-close").addEventListener("click", () => this.requestClose());
     this.dialog.addEventListener("click", (e) => {
-      if (e.target === this.dialog) this.dialog.close();
+      if (e.target === this.dialog) this.requestClose();
     });
+    // Esc: the dialog would close itself; with unsaved edits it asks first.
+    this.dialog.addEventListener("cancel", (e) => {
+      if (!this.dirty()) return;
+      e.preventDefault();
+      this.askDiscard();
+    });
+    $("settings-discard-yes").addEventListener("click", () => {
+      this.hideDiscard();
+      this.dialog.close();
+    });
+    $("settings-discard-no").addEventListener("click", () => this.hideDiscard());
     this.fields.preset.addEventListener("change", () => this.choosePreset());
     this.fields.system_prompt.addEventListener("input", () => this.matchPreset());
-    $("conv-settings").addEventListener("submit", (e) => {
+    $("settings-form").addEventListener("submit", (e) => {
       e.preventDefault();
-      this.applyConversation();
-    });
-    $("memory-form").addEventListener("submit", (e) => {
-      e.preventDefault();
-      this.saveMemory();
+      this.save();
     });
     $("model-add").addEventListener("submit", (e) => {
       e.preventDefault();
       this.addModel();
     });
+    $("model-add-tier").replaceChildren(...TIERS.map(([id, label]) => new Option(label, id, false, id === "balanced")));
     wireInfoMarkers(this.dialog);
   }
 
   async open({ focus } = {}) {
-    for (const id of ["conv-settings-status", "memory-status", "models-status"]) setStatus(id, "");
+    for (const id of ["settings-status", "models-status"]) setStatus(id, "");
+    this.hideDiscard();
     // Read before showing: a late answer must never overwrite what the person starts typing.
     try {
-      $("memory-editor").value = (await api.memory()).text;
+      this.savedMemory = (await api.memory()).text;
+      this.memory.value = this.savedMemory;
     } catch (err) {
-      setStatus("memory-status", err.message, true);
+      this.savedMemory = null;
+      setStatus("settings-status", err.message, true);
     }
     this.fillConversation();
     this.renderLineup();
@@ -79,7 +89,31 @@ export class SettingsPanel {
     this.fields.web_fetch.checked = !!s.web_fetch;
     this.fields.tool_instructions.value = s.tool_instructions ?? "";
     this.fields.compression_prompt.value = s.compression_prompt ?? "";
-    $("conv-settings-apply").disabled = !conv;
+    for (const field of Object.values(this.fields)) field.disabled = !conv;
+  }
+
+  /** Whether anything in the panel differs from what the server holds. */
+  dirty() {
+    const conv = this.app.conversation();
+    const settings = conv ? this.changedSettings(conv.settings || {}) : {};
+    const memory = this.savedMemory !== null && this.memory.value !== this.savedMemory;
+    return Object.keys(settings).length > 0 || memory;
+  }
+
+  requestClose() {
+    if (this.dirty()) this.askDiscard();
+    else this.dialog.close();
+  }
+
+  askDiscard() {
+    $("settings-actions").hidden = true;
+    $("settings-discard").hidden = false;
+    $("settings-discard-no").focus();
+  }
+
+  hideDiscard() {
+    $("settings-discard").hidden = true;
+    $("settings-actions").hidden = false;
   }
 
   /** A system prompt edited away from its preset's text is a custom one. */
@@ -113,32 +147,37 @@ export class SettingsPanel {
     );
   }
 
-  async applyConversation() {
+  /**
+   * Save every edit in the panel: the conversation's settings first (the server validates them),
+   * then memory. A refused part keeps its edits on screen with the server's reason.
+   */
+  async save() {
     const conv = this.app.conversation();
-    if (!conv) return;
-    const settings = this.changedSettings(conv.settings || {});
-    if (!Object.keys(settings).length) {
-      setStatus("conv-settings-status", "Nothing changed.");
+    const settings = conv ? this.changedSettings(conv.settings || {}) : {};
+    const memoryChanged = this.savedMemory !== null && this.memory.value !== this.savedMemory;
+    if (!Object.keys(settings).length && !memoryChanged) {
+      setStatus("settings-status", "Nothing changed.");
       return;
     }
+    const done = [];
     try {
-      const updated = await api.patchConversation(conv.id, { settings });
-      this.app.conversationChanged(updated);
-      this.fillConversation();
-      setStatus("conv-settings-status", "Applied to this conversation.");
+      if (Object.keys(settings).length) {
+        const updated = await api.patchConversation(conv.id, { settings });
+        this.app.conversationChanged(updated);
+        this.fillConversation();
+        done.push("this conversation's settings");
+      }
+      if (memoryChanged) {
+        const saved = await api.saveMemory(this.memory.value);
+        this.savedMemory = saved.text;
+        this.memory.value = saved.text;
+        done.push("memory");
+        this.app.memoryChanged();
+      }
+      setStatus("settings-status", `Saved ${done.join(" and ")}.`);
     } catch (err) {
-      setStatus("conv-settings-status", err.message, true);
-    }
-  }
-
-  async saveMemory() {
-    try {
-      const saved = await api.saveMemory($("memory-editor").value);
-      $("memory-editor").value = saved.text;
-      setStatus("memory-status", "Saved.");
-      this.app.memoryChanged();
-    } catch (err) {
-      setStatus("memory-status", err.message, true);
+      const kept = done.length ? ` (${done.join(" and ")} saved)` : "";
+      setStatus("settings-status", err.message + kept, true);
     }
   }
 
@@ -147,17 +186,12 @@ export class SettingsPanel {
     const wrap = $("model-lineup");
     wrap.replaceChildren();
     for (const tier of models?.tiers || []) {
-      const group = document.createElement("div");
-      group.className = "lineup-tier";
-      const h = document.createElement("h4");
-      h.textContent = tierLabel(tier.tier);
-      const list = document.createElement("ul");
+      const group = node("div", "lineup-tier");
+      const h = node("h4", null, tierLabel(tier.tier));
+      const list = node("ul");
       for (const model of tier.models) {
-        const li = document.createElement("li");
-        const name = document.createElement("span");
-        name.className = "lineup-id";
-        name.textContent = model.id;
-        li.append(name);
+        const li = node("li");
+        li.append(node("span", "lineup-id", model.id));
         if (model.reasoning) li.append(badge("thinks"));
         if (model.id === models.default) li.append(badge("default"));
         if (model.custom) {
@@ -214,10 +248,7 @@ export class SettingsPanel {
 }
 
 function badge(text) {
-  const span = document.createElement("span");
-  span.className = "badge";
-  span.textContent = text;
-  return span;
+  return node("span", "badge", text);
 }
 
 function setStatus(id, text, isError = false) {

@@ -3,6 +3,7 @@
 
 import { ActivityTrail, accumulateActivity, renderCitations } from "./activity.js";
 import { StreamingMarkdown, renderMarkdown } from "./markdown.js";
+import { button, node } from "./ui.js";
 
 const tokensFormat = new Intl.NumberFormat("en-US");
 
@@ -21,32 +22,161 @@ export function cachedPercent(cached, input) {
   return input > 0 ? `${Math.round((100 * (cached || 0)) / input)}%` : "0%";
 }
 
-function node(tag, className, text) {
-  const el = document.createElement(tag);
-  if (className) el.className = className;
-  if (text !== undefined) el.textContent = text;
-  return el;
+/** The header's cost item: a number alone only when every reply reported its cost. */
+export function describeCost(totals) {
+  const unknown = totals.cost_unreported || 0;
+  const cost = totals.cost || 0;
+  if (!unknown) return formatCost(cost);
+  // `turns` counts replies; unreported calls may also include the summarizer's.
+  const replies = totals.turns || 0;
+  if (unknown < replies) return `cost unknown for ${unknown} of ${replies} replies; ${formatCost(cost)} for the rest`;
+  return cost > 0 ? `cost unknown; ${formatCost(cost)} reported` : "cost unknown";
 }
 
-function shell(role, id) {
+/** The header's session totals as [key, text] items. */
+export function usageItems(t) {
+  return [
+    ["in", `${formatTokens(t.input_tokens)} in`],
+    ["out", `${formatTokens(t.output_tokens)} out`],
+    ["cached", `${cachedPercent(t.cached_tokens, t.input_tokens)} cached`],
+    ["searches", `${t.searches} ${t.searches === 1 ? "search" : "searches"}`],
+    ["fetches", `${t.fetches} ${t.fetches === 1 ? "fetch" : "fetches"}`],
+    ["cost", describeCost(t)],
+    ["turns", `${t.turns} ${t.turns === 1 ? "turn" : "turns"}`],
+  ];
+}
+
+// What the next request is made of, as the compression trigger counts it: the reserve is room
+// kept for the reply, so it counts against the budget like the prompt does.
+export const CONTEXT_PARTS = [
+  ["persona", "Persona"],
+  ["memory", "Memory"],
+  ["summary", "Summary"],
+  ["history", "History"],
+  ["reserve", "Reserved for the reply"],
+];
+
+/** The context bar's parts: the track's segments, the label and the one-line account. */
+export function contextBar(ctx) {
+  const parts = CONTEXT_PARTS.filter(([key]) => key !== "reserve" || ctx.reserve != null);
+  const used = parts.reduce((sum, [key]) => sum + (ctx[key] || 0), 0);
+  const scale = Math.max(ctx.budget, used) || 1;
+  const track = node("div", "context-track");
+  for (const [key, label] of parts) {
+    const seg = node("div", `context-seg seg-${key}`);
+    seg.dataset.segment = key;
+    seg.dataset.tokens = String(ctx[key] || 0);
+    seg.style.width = `${(100 * (ctx[key] || 0)) / scale}%`;
+    seg.title = `${label}: ${formatTokens(ctx[key])} tokens`;
+    track.append(seg);
+  }
+  // Until a turn has measured the prompt, the numbers are local estimates.
+  const approx = ctx.measured === false ? "≈ " : "";
+  const label = node("span", "context-label", `${approx}${formatTokens(used)} / ${formatTokens(ctx.budget)} tokens`);
+  const items = [track, label];
+  if (ctx.reserve) {
+    items.push(node("span", "context-reserve", `incl. ${formatTokens(ctx.reserve)} reserved for the reply`));
+  }
+  const account = parts.map(([key, name]) => `${name} ${formatTokens(ctx[key])}`).join(" · ") +
+    ` of a ${formatTokens(ctx.budget)}-token budget`;
+  return { items, over: used > ctx.budget, account };
+}
+
+/** Put `text` on the clipboard; falls back where the Clipboard API is refused (plain http on a LAN). */
+export async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    const scratch = document.createElement("textarea");
+    scratch.value = text;
+    document.body.append(scratch);
+    scratch.select();
+    document.execCommand("copy");
+    scratch.remove();
+  }
+}
+
+/** A button that copies what `text()` gives and says so for a moment. */
+export function copyButton(label, text, className = "small") {
+  const b = button(label, { className });
+  b.addEventListener("click", async () => {
+    await copyText(text());
+    b.textContent = "Copied";
+    setTimeout(() => {
+      b.textContent = label;
+    }, 1500);
+  });
+  return b;
+}
+
+function shell(role, id, test = "message") {
   const el = node("article", `message message-${role}`);
-  el.dataset.test = "message";
+  el.dataset.test = test;
   el.dataset.role = role;
   if (id) el.dataset.id = id;
   return el;
 }
 
-export function renderUser(message) {
-  const el = shell("user", message.id);
-  el.append(node("div", "bubble", message.content));
+// A message typed longer than this starts collapsed, with "Show more".
+const LONG_MESSAGE_CHARS = 1200;
+const LONG_MESSAGE_LINES = 14;
+
+export function renderUser(message, test = "message") {
+  const el = shell("user", message.id, test);
+  const bubble = node("div", "bubble", message.content);
+  el.append(bubble);
+  const text = message.content || "";
+  if (text.length > LONG_MESSAGE_CHARS || text.split("\n", LONG_MESSAGE_LINES + 1).length > LONG_MESSAGE_LINES) {
+    bubble.classList.add("collapsed");
+    const toggle = button("Show more", { className: "small link-button" });
+    toggle.dataset.test = "show-more";
+    toggle.setAttribute("aria-expanded", "false");
+    toggle.addEventListener("click", () => {
+      const open = bubble.classList.toggle("collapsed") === false;
+      toggle.textContent = open ? "Show less" : "Show more";
+      toggle.setAttribute("aria-expanded", String(open));
+    });
+    el.append(toggle);
+  }
   return el;
 }
 
-export function renderNotice(message) {
-  const el = shell("notice", message.id);
+export function renderNotice(message, test = "message") {
+  const el = shell("notice", message.id, test);
   el.setAttribute("role", "note");
   el.append(node("div", "notice-text", message.content));
   return el;
+}
+
+/** One saved message as its transcript element. */
+export function renderMessage(m, { reasoning = () => false, test = "message" } = {}) {
+  if (m.role === "user") return renderUser(m, test);
+  if (m.role === "notice") return renderNotice(m, test);
+  const view = AssistantView.fromMessage(m, { reasoning: reasoning(m.model) });
+  view.el.dataset.test = test;
+  return view.el;
+}
+
+/**
+ * Messages folded into the summary (or dropped) by compression: still the person's history, so
+ * shown collapsed at the top, each marked as folded. Their own notices come with them, in order.
+ */
+export function renderArchive(archive, options = {}) {
+  if (!archive?.length) return null;
+  const box = node("details", "folded");
+  box.dataset.test = "folded";
+  const n = archive.filter((m) => m.role !== "notice").length;
+  // A failed summarizer drops messages without folding them into anything: say so then.
+  const how = options.dropped ? "left the context (folded or dropped)" : "folded into the summary";
+  box.append(node("summary", "folded-line", `${n} earlier ${n === 1 ? "message" : "messages"} ${how}`));
+  const list = node("div", "folded-messages");
+  list.append(...archive.map((m) => {
+    const el = renderMessage(m, { ...options, test: "folded-message" });
+    el.dataset.folded = "true";
+    return el;
+  }));
+  box.append(list);
+  return box;
 }
 
 /** What a `compression` event means, in the words of a transcript notice. */
@@ -73,6 +203,8 @@ function statsLine(usage, model) {
   return parts.join(" · ");
 }
 
+const NO_ANSWER = "Stopped before the answer began";
+
 /** An assistant message: trail, body, warnings, citations, stats, actions. Live or saved. */
 export class AssistantView {
   constructor({ id, model, reasoning = false } = {}) {
@@ -94,6 +226,7 @@ export class AssistantView {
     view.text = message.content || "";
     view.steps = message.activity || [];
     view.body.replaceChildren(renderMarkdown(view.text));
+    for (const w of message.warnings || []) view.addWarning(w.message, w.code);
     view.setFinal(message.status || "complete", message.usage, message.citations);
     return view;
   }
@@ -117,18 +250,21 @@ export class AssistantView {
   }
 
   addActivity(event, data) {
-    accumulateActivity(this.steps, event, data);
-    this.drawTrail();
+    this.drawTrail(accumulateActivity(this.steps, event, data));
   }
 
-  addWarning(message) {
-    this.warnings.append(node("div", "warning", message));
+  addWarning(message, code) {
+    const w = node("div", "warning", message);
+    w.dataset.test = "warning";
+    if (code) w.dataset.code = code;
+    this.warnings.append(w);
   }
 
-  drawTrail() {
+  /** Redraw the trail; `changed` is the one step that changed, when only one did. */
+  drawTrail(changed = null) {
     const live = this.el.dataset.status === "streaming";
     // A reasoning model shows "Thinking…" from the start, until the first words of the answer.
-    this.trail.render(this.steps, { live, waitingForThought: this.reasoning && !this.text });
+    this.trail.render(this.steps, { live, waitingForThought: this.reasoning && !this.text, changed });
   }
 
   /** The reply is over; `status` is complete or interrupted. */
@@ -138,11 +274,24 @@ export class AssistantView {
     if (this.markdown) this.markdown.finish(this.text);
     this.trail.el.open = false;
     this.drawTrail();
+    // Stopped while the model was still thinking: there is no answer to frame, only what it cost.
+    const noAnswer = status === "interrupted" && !this.text;
+    this.el.classList.toggle("no-answer", noAnswer);
+    this.body.hidden = noAnswer;
     const footer = [];
-    if (status === "interrupted") footer.push(node("div", "interrupted-note", "Interrupted before the end"));
+    if (noAnswer) footer.push(node("div", "interrupted-note", NO_ANSWER));
+    else if (status === "interrupted") footer.push(node("div", "interrupted-note", "Interrupted before the end"));
     const chips = renderCitations(citations);
     if (chips) footer.push(chips);
     if (usage) footer.push(node("div", "stats", statsLine(usage, this.model)));
     this.footer.replaceChildren(...footer);
+    const actions = [];
+    if (this.text) {
+      const copy = copyButton("Copy reply", () => this.text);
+      copy.dataset.test = "copy-reply";
+      copy.title = "Copy the whole reply as Markdown";
+      actions.push(copy);
+    }
+    this.actions.replaceChildren(...actions);
   }
 }

@@ -51,9 +51,10 @@ def open_page(browser: Browser, base_url: str, **context_options) -> Page:
 
 
 def new_conversation(page: Page) -> str:
-    before = conversation_id(page)
+    """Click "+ New" and wait until it is done: a new empty conversation, or an untouched one reused."""
+    before = page.evaluate("Number(document.body.dataset.newCount || 0)")
     page.get_by_test_id("new-conversation").click()
-    page.wait_for_function("before => location.hash.slice(1) && location.hash.slice(1) !== before", arg=before)
+    page.wait_for_function("before => Number(document.body.dataset.newCount || 0) > before", arg=before)
     return conversation_id(page)
 
 

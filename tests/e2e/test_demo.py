@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from pagekit import Server, assistant_messages, new_conversation, open_page, send
+from pagekit import Server, assistant_messages, new_conversation, open_page, screenshot, send
 
 
 @pytest.fixture(scope="module")
@@ -31,5 +31,27 @@ def test_the_demo_gateway_is_announced_and_still_answers(browser, demo_server):
         reply = assistant_messages(page).last
         expect(reply).to_have_attribute("data-status", "complete")
         expect(reply).to_contain_text("SIMULATED")
+    finally:
+        page.context.close()
+
+
+def test_on_a_phone_the_banner_is_short_and_can_be_dismissed_for_good(browser, demo_server):
+    page = open_page(browser, demo_server.base_url, viewport={"width": 390, "height": 844}, has_touch=True,
+                     is_mobile=True)
+    try:
+        banner = page.locator("#demo-banner")
+        expect(banner).to_be_visible()
+        expect(banner).to_contain_text("simulated")
+        screenshot(page, "phone-demo-banner")
+        chrome = sum(page.locator(sel).bounding_box()["height"] for sel in ("#demo-banner", ".topbar", ".meters"))
+        # Banner, title bar and meters together leave the transcript most of the screen.
+        assert chrome < 844 / 4, chrome
+
+        page.get_by_test_id("dismiss-banner").click()
+        expect(banner).to_be_hidden()
+        page.reload()
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        expect(banner).to_be_hidden()
+        assert page.js_errors == []
     finally:
         page.context.close()

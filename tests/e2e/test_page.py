@@ -210,9 +210,9 @@ def test_a_code_fence_arriving_in_pieces_never_breaks_layout_and_gets_copy(page,
     assert reply.locator("pre > code").text_content() == code
     expect(reply.locator("p").last).to_have_text("Done.")
 
-    copy = reply.get_by_role("button", name="Copy")
+    copy = reply.locator(".code-block").get_by_role("button", name="Copy")
     copy.click()
-    expect(reply.get_by_role("button", name="Copied")).to_be_visible()
+    expect(reply.locator(".code-block").get_by_role("button", name="Copied")).to_be_visible()
     assert page.evaluate("navigator.clipboard.readText()") == code
     screenshot(page, "code-block")
 

@@ -31,8 +31,8 @@ def test_conversation_settings_apply_persist_and_reach_the_gateway(page, server,
     dialog.get_by_label("Context budget (tokens)").fill("50000")
     dialog.get_by_label("Web search").uncheck()
     dialog.get_by_label("Web fetch").uncheck()
-    dialog.get_by_role("button", name="Apply").click()
-    expect(dialog.locator("#conv-settings-status")).to_have_text("Applied to this conversation.")
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog.locator("#settings-status")).to_have_text("Saved this conversation's settings.")
     screenshot(page, "settings")
     dialog.get_by_role("button", name="Close settings").click()
     expect(page.get_by_test_id("context-bar")).to_contain_text("/ 50,000 tokens")
@@ -56,10 +56,10 @@ def test_conversation_settings_apply_persist_and_reach_the_gateway(page, server,
 def test_invalid_settings_show_the_servers_own_message(page, server):
     conv_id = conversation_id(page)
     dialog = open_settings(page)
-    status = dialog.locator("#conv-settings-status")
+    status = dialog.locator("#settings-status")
 
     dialog.get_by_label("Compression prompt").fill("Summarise the conversation.")
-    dialog.get_by_role("button", name="Apply").click()
+    dialog.get_by_role("button", name="Save").click()
     expected = server.api("PATCH", f"/api/conversations/{conv_id}",
                           json={"settings": {"compression_prompt": "Summarise the conversation."}}).json()["detail"]
     expect(status).to_have_text(expected)
@@ -67,7 +67,7 @@ def test_invalid_settings_show_the_servers_own_message(page, server):
 
     dialog.get_by_label("Compression prompt").fill("Fold this: {transcript}")
     dialog.get_by_label("Context budget (tokens)").fill("-5")
-    dialog.get_by_role("button", name="Apply").click()
+    dialog.get_by_role("button", name="Save").click()
     expected = server.api("PATCH", f"/api/conversations/{conv_id}",
                           json={"settings": {"context_budget": -5}}).json()["detail"]
     expect(status).to_have_text(expected)
@@ -81,8 +81,8 @@ def test_a_preset_fills_the_system_prompt(page, server):
     dialog = open_settings(page)
     dialog.get_by_label("Preset").select_option(chosen["name"])
     expect(dialog.get_by_label("System prompt")).to_have_value(chosen["text"])
-    dialog.get_by_role("button", name="Apply").click()
-    expect(dialog.locator("#conv-settings-status")).to_have_text("Applied to this conversation.")
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog.locator("#settings-status")).to_have_text("Saved this conversation's settings.")
     settings = server.conversation(conversation_id(page))["settings"]
     assert (settings["preset"], settings["system_prompt"]) == (chosen["name"], chosen["text"])
 
@@ -92,7 +92,7 @@ def test_memory_edits_persist_and_are_sent_to_the_model(page, server, sim):
     editor = page.get_by_test_id("memory-editor")
     editor.fill("- Prefers Python\n- Lives in Seoul (서울)\n")
     dialog.get_by_role("button", name="Save").click()
-    expect(dialog.locator("#memory-status")).to_have_text("Saved.")
+    expect(dialog.locator("#settings-status")).to_have_text("Saved memory.")
     assert server.api("GET", "/api/memory").json()["text"] == "- Prefers Python\n- Lives in Seoul (서울)\n"
 
     page.reload()
@@ -160,20 +160,22 @@ def test_usage_header_stats_line_and_context_bar_show_the_servers_numbers(page, 
     assert (totals["cost"], totals["cost_unreported"], totals["turns"]) == (0.0042, 1, 2)
     header = page.get_by_test_id("usage-header")
     expect(header.locator("span")).to_have_text(
-        ["4,500 in", "400 out", "78% cached", "0 searches", "0 fetches", "$0.0042 +1 unreported", "2 turns"])
+        ["4,500 in", "400 out", "78% cached", "0 searches", "0 fetches", "cost unknown for 1 of 2 replies; $0.0042 for the rest", "2 turns"])
 
     stats = assistant_messages(page).locator(".stats")
     expect(stats.first).to_contain_text("2,000 in · 300 out · 75% cached · $0.0042")
     expect(stats.last).to_contain_text("2,500 in · 100 out · 80% cached · cost n/a")
 
     context = conv["context"]
-    used = sum(context[k] for k in ("persona", "memory", "summary", "history"))
+    # The reserve for the reply counts against the budget like the prompt (shown once the server sends it).
+    parts = [k for k in ("persona", "memory", "summary", "history", "reserve") if k in context]
+    used = sum(context[k] for k in parts)
     bar = page.get_by_test_id("context-bar")
     approx = "" if context.get("measured", True) else "≈ "
     expect(bar.locator(".context-label")).to_have_text(f"{approx}{used:,} / {context['budget']:,} tokens")
     segments = bar.locator("[data-segment]").evaluate_all(
         "segs => Object.fromEntries(segs.map(s => [s.dataset.segment, Number(s.dataset.tokens)]))")
-    assert segments == {k: context[k] for k in ("persona", "memory", "summary", "history")}
+    assert segments == {k: context[k] for k in parts}
     screenshot(page, "usage")
 
 
