@@ -5,13 +5,12 @@ file with MAX_ATTACHMENT_BYTES enforced while the bytes arrive, so a file is nev
 memory and an oversized one is refused as soon as it passes the limit. Downloads are always
 `attachment` with `nosniff`: an uploaded page must never render on this origin.
 
-The owner and conversation dependencies here are stand-ins (one person, "local"); the real,
-owner-scoped ones replace them without touching the routes.
+Every route passes the one owner check (`deps.OwnerStoreDep`): a conversation's files are
+reached only through a conversation its owner can see, and the library is the owner's own.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Annotated
 
@@ -24,6 +23,7 @@ from attachments import (
     AttachmentError, Attachments, Limits, Scope, TooLarge, content_disposition, conversation_scope,
     library_scope, public,
 )
+from deps import OwnerDep, OwnerStoreDep
 from storage import NotFound
 
 router = APIRouter(tags=["attachments"])
@@ -49,31 +49,16 @@ ERRORS = {
 
 
 async def get_attachments(request: Request) -> Attachments:
-    state = request.app.state.chat
-    attachments = getattr(state, "attachments", None)
-    if attachments is None:
-        settings = state.settings
-        attachments = state.attachments = Attachments(
-            settings.data_dir / "attachments",
-            Limits(max_bytes=settings.max_attachment_bytes, max_pages=settings.max_attachment_pages))
-        attachments.sweep()
-    return attachments
+    return request.app.state.chat.attachments
 
 
-async def get_owner() -> str:
-    return "local"
-
-
-async def conversation_exists(conv_id: str, request: Request) -> str:
-    """The conversation id when it exists; the store's NotFound (404) otherwise."""
-    found = request.app.state.chat.store.get(conv_id)
-    if inspect.isawaitable(found):  # the store is becoming async
-        await found
+async def conversation_exists(conv_id: str, store: OwnerStoreDep) -> str:
+    """The conversation id when this owner has it; the store's NotFound (404) otherwise."""
+    await store.get(conv_id)
     return conv_id
 
 
 AttachmentsDep = Annotated[Attachments, Depends(get_attachments)]
-OwnerDep = Annotated[str, Depends(get_owner)]
 ConversationDep = Annotated[str, Depends(conversation_exists)]
 
 
@@ -223,13 +208,13 @@ def _conversation(conv_id: str) -> Scope:
 
 @router.post("/api/conversations/{conv_id}/attachments", status_code=201, openapi_extra=UPLOAD_BODY,
              responses=ERRORS)
-async def upload_to_conversation(conv_id: ConversationDep, request: Request,
-                                 attachments: AttachmentsDep) -> dict:
+async def upload_to_conversation(conv_id: ConversationDep, request: Request, attachments: AttachmentsDep,
+                                 store: OwnerStoreDep) -> dict:
     """Attach a file (multipart field `file`): 201 with the Attachment."""
     scope = _conversation(conv_id)
     stored = await _upload(request, attachments, scope)
     try:
-        await conversation_exists(conv_id, request)
+        await store.get(conv_id)
     except NotFound:
         await attachments.delete_scope(scope)  # the conversation was deleted during the upload
         raise

@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     max_attachment_bytes: int = Field(20_971_520, gt=0)
     max_attachment_pages: int = Field(1000, gt=0)
 
+    # Where conversations live: files under DATA_DIR (one process) or Redis (several).
+    store: Literal["files", "redis"] = "files"
+    redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
+    conversation_ttl_days: float | None = Field(None, gt=0)
+
     auth: Literal["none", "password", "header"] = "none"
     auth_header: str = "X-Forwarded-User"
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)

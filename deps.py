@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
+from attachments import Attachments
 from auth import User, current_user
 from config import ModelInfo, Settings
 from storage import OwnerStore, Store
@@ -20,10 +21,11 @@ from turns import Turns
 class State:
     """What lifespan builds; tests reach it as `app.state.chat`."""
 
-    def __init__(self, settings: Settings, store: Store, turns: Turns) -> None:
+    def __init__(self, settings: Settings, store: Store, turns: Turns, attachments: Attachments) -> None:
         self.settings = settings
         self.store = store
         self.turns = turns
+        self.attachments = attachments
 
     async def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()

@@ -1,12 +1,10 @@
 """Routes for search, export and import: `GET /api/search`, `GET /api/conversations/{id}/export`,
-and (not yet included) `POST /api/import`.
+`POST /api/import`.
 
-The search index is opened lazily by a dependency on first use; the first open brings it in line
-with the store (`reconcile`), so a server that ran without it, or crashed before its last index
-write, still finds everything. Conversations are read through the store of `app.state.chat`.
-
-This module knows the HTTP contract of these routes; it does not know how conversations are
-stored beyond the store's `get` and `list`, nor who an owner is (`owner_of` stands in for that).
+The search index is opened at start-up (`open_index`) and brought in line with the store in the
+background, so a server that ran without it, or crashed before its last index write, still finds
+everything; from then on `IndexFollower` keeps it in step with every change the store makes.
+Conversations are read and made through the owner-scoped store, like every other route.
 """
 
 from __future__ import annotations
@@ -20,49 +18,40 @@ from fastapi import APIRouter, Depends, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 import exchange
-from search_index import SearchIndex
-from storage import new_id, now_iso
+from deps import OwnerDep, OwnerStoreDep, StateDep
+from search_index import IndexFollower, SearchIndex
+from storage import FileStore, new_id, now_iso
 
 log = logging.getLogger("chat.exchange")
 
 INDEX_FILE = "search.sqlite3"
-LOCAL_OWNER = "local"  # one person per server until the store is owner-scoped
 
 router = APIRouter()
 
 
-def owner_of(request: Request) -> str:
-    """Whose conversations this request sees (one owner today)."""
-    return LOCAL_OWNER
+async def open_index(files: FileStore) -> tuple[SearchIndex, asyncio.Task]:
+    """The index beside the store's files, and the task bringing it in line with them (at start-up)."""
+    index = SearchIndex(files.root / INDEX_FILE)
+    await index.open()
+    follower = IndexFollower(index)
+    files.observers.append(follower)
+
+    async def catch_up() -> SearchIndex:
+        convs = await anyio.to_thread.run_sync(files.load_all)
+        pairs = [(conv["owner"], conv) for conv in convs]
+        await (index.reconcile(pairs) if await index.is_built() else index.rebuild(pairs))
+        follower.seen_all(convs)
+        return index
+
+    return index, asyncio.create_task(catch_up())
 
 
 async def get_search_index(request: Request) -> SearchIndex:
-    """The app's index, opened and reconciled with the store on first use."""
-    app_state = request.app.state
-    ready = getattr(app_state, "search_index_ready", None)
-    if ready is None:
-        ready = app_state.search_index_ready = asyncio.get_running_loop().create_future()
-        try:
-            index = SearchIndex(app_state.chat.settings.data_dir / INDEX_FILE)
-            await index.open()
-            owner = owner_of(request)
-            pairs = [(owner, conv) for conv in app_state.chat.store.list()]
-            if await index.is_built():
-                await index.reconcile(pairs)
-            else:
-                await index.rebuild(pairs)
-        except BaseException as exc:
-            del app_state.search_index_ready  # the next request tries again
-            ready.set_exception(exc)
-            ready.exception()  # retrieved: this request reports it; later ones start afresh
-            raise
-        app_state.search_index = index
-        ready.set_result(index)
-    return await asyncio.shield(ready)
+    """The app's index, once it has caught up with the store."""
+    return await asyncio.shield(request.app.state.search_ready)
 
 
 IndexDep = Annotated[SearchIndex, Depends(get_search_index)]
-OwnerDep = Annotated[str, Depends(owner_of)]
 
 
 @router.get("/api/search")
@@ -74,10 +63,10 @@ async def search(index: IndexDep, owner: OwnerDep,
 
 
 @router.get("/api/conversations/{conv_id}/export")
-async def export_conversation(conv_id: str, request: Request,
+async def export_conversation(conv_id: str, store: OwnerStoreDep,
                               format: Literal["json", "md"] = "json") -> Response:
     """The conversation as a download: this server's JSON envelope, or Markdown."""
-    conv = request.app.state.chat.store.get(conv_id)
+    conv = await store.get(conv_id)
     if format == "md":
         body = exchange.export_markdown(conv).encode("utf-8")
         media = "text/markdown; charset=utf-8"
@@ -89,12 +78,8 @@ async def export_conversation(conv_id: str, request: Request,
         "Content-Disposition": exchange.content_disposition(name), "Cache-Control": "no-store"})
 
 
-# Not included yet: storing a tree needs the branch data model and the owner-scoped store.
-import_router = APIRouter()
-
-
-@import_router.post("/api/import", status_code=201)
-async def import_conversations(file: UploadFile, request: Request, owner: OwnerDep) -> Response:
+@router.post("/api/import", status_code=201)
+async def import_conversations(file: UploadFile, state: StateDep, store: OwnerStoreDep) -> Response:
     """Every conversation in the uploaded file, or 422 with the reason and nothing stored."""
     if file.size is not None and file.size > exchange.MAX_IMPORT_BYTES:
         return JSONResponse({"detail": f"the file is over {exchange.MAX_IMPORT_BYTES // 2**20} MB"}, status_code=422)
@@ -103,17 +88,16 @@ async def import_conversations(file: UploadFile, request: Request, owner: OwnerD
         imported = await anyio.to_thread.run_sync(exchange.parse_import, raw)
     except exchange.Unreadable as exc:
         return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
-    state = request.app.state.chat
     ids = []
     for conv in imported:
-        created = await state.store.create(stored_conversation(conv, state))
+        created = await store.create(stored_conversation(conv, state))
         ids.append(created["id"])
     return JSONResponse({"imported": ids}, status_code=201)
 
 
 def stored_conversation(conv: exchange.ImportedConversation, state) -> dict:
     """A new stored conversation from an imported tree (the branch fields are the coordinator's to settle)."""
-    from server import default_settings  # the route module must not import server at import time
+    from routes.conversations import default_settings
 
     messages, branches = exchange.from_tree(conv["nodes"], conv["current"])
     return {

@@ -55,8 +55,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from storage import (LOCAL_OWNER, SEALED_LISTS, SEGMENT_MESSAGES, Change, FileStore, LockLost, NotFound, TurnBusy, TurnLock,
-                     _check_owner, new_id, now_iso, summary_of, upgrade, valid_id)
+from storage import (LOCAL_OWNER, SEALED_LISTS, SEGMENT_MESSAGES, Change, FileStore, LockLost, NotFound,
+                     StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, summary_of, upgrade,
+                     valid_id)
 
 log = logging.getLogger("chat.redis_store")
 
@@ -72,10 +73,6 @@ RESUBSCRIBE_DELAY = 0.1
 
 # Script answers below zero.
 CONFLICT, GONE, STALE_LOCK, BUSY = -1, -2, -3, -4
-
-
-class StoreUnavailable(Exception):
-    """The store's backend cannot be reached; nothing was changed by the failed call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -741,7 +738,7 @@ async def expire_old(files: FileStore, days: float, *, now: datetime | None = No
         if updated.tzinfo is None:
             updated = updated.replace(tzinfo=timezone.utc)
         if updated < cutoff:
-            await files.remove(conv["id"])
+            await files.remove(conv["id"], conv["owner"])
             removed.append(conv["id"])
     return removed
 

@@ -82,6 +82,9 @@ ON CONFLICT (owner, conv_id) DO UPDATE SET title = excluded.title, updated_at = 
 """
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 @dataclass(frozen=True, slots=True)
 class Query:
     """A search as typed: its distinct words, each of which a result must contain."""
@@ -90,7 +93,8 @@ class Query:
 
     @classmethod
     def parse(cls, text: str) -> Query:
-        words = [w for w in text.split() if w]
+        # Control characters (NUL above all, which ends an SQLite string) are never typed into a search.
+        words = [w for w in _CONTROL.sub(" ", text).split() if w]
         unique = list(dict.fromkeys(words))[:MAX_TERMS]
         return cls(tuple(unique))
 
@@ -183,6 +187,46 @@ def conversation_rows(conv: dict) -> list[tuple[str, str]]:
             if (row := searchable(message)) is not None:
                 rows.append(row)
     return rows
+
+
+class IndexFollower:
+    """Keeps the index in step with the store, told of every change as it is made.
+
+    A turn's save appends a message or two (or replaces the last one): only those are indexed,
+    so the save path stays cheap. Anything else (a compression moving messages to the archive,
+    a rewind, a rename) re-indexes the whole conversation.
+    """
+
+    def __init__(self, index: SearchIndex) -> None:
+        self.index = index
+        self._seen: dict[str, tuple[int, str | None, int, str]] = {}
+
+    @staticmethod
+    def _mark(conv: dict) -> tuple[int, str | None, int, str]:
+        messages = conv.get("messages") or []
+        return len(messages), messages[-1]["id"] if messages else None, len(conv.get("archive") or []), conv["title"]
+
+    def seen_all(self, convs: Iterable[dict]) -> None:
+        """What the index holds after a rebuild or reconcile."""
+        for conv in convs:
+            self._seen[conv["id"]] = self._mark(conv)
+
+    def changed(self, owner: str, conv: dict) -> None:
+        seen, mark = self._seen.get(conv["id"]), self._mark(conv)
+        messages = conv.get("messages") or []
+        if seen and seen[2:] == mark[2:] and seen[0] <= mark[0] and (
+                seen[0] == 0 or messages[seen[0] - 1]["id"] == seen[1]):
+            # The last message seen may have changed in place (a checkpoint grows into the reply).
+            fresh = messages[max(seen[0] - 1, 0):]
+            if fresh:
+                self.index.index_messages(owner, conv["id"], conv["title"], fresh, conv.get("updated_at") or "")
+        else:
+            self.index.index_conversation(owner, conv)
+        self._seen[conv["id"]] = mark
+
+    def removed(self, owner: str, conv_id: str) -> None:
+        self._seen.pop(conv_id, None)
+        self.index.remove_conversation(owner, conv_id)
 
 
 class SearchIndex:

@@ -25,18 +25,36 @@ from deps import State
 from failures import keep_secret
 from routes import conversations, memory, models, site
 from security import Guard
-from storage import Damaged, FileStore, LockLost, NotFound, TurnBusy
+from attachments import Attachments, Limits
+from storage import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from turns import Turns
 from upstream.client import Gateway
 
 log = logging.getLogger("chat.server")
 
 
+def make_store(settings: Settings) -> Store:
+    """The store STORE names: files under DATA_DIR (one process), or Redis (any number)."""
+    if settings.store == "redis":
+        from redis_store import RedisStore
+
+        ttl = settings.conversation_ttl_days * 86_400 if settings.conversation_ttl_days else None
+        return RedisStore(settings.redis_url, ttl_seconds=ttl)
+    return FileStore(settings.data_dir)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         active = settings or get_settings()
-        store = FileStore(active.data_dir)
+        store = make_store(active)
+        if isinstance(store, FileStore):
+            app.state.search_index, app.state.search_ready = await exchange_routes.open_index(store)
+        else:
+            await store.ping()
+        attachments = Attachments(active.data_dir / "attachments",
+                                  Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages))
+        attachments.sweep()
         timeout = httpx.Timeout(active.upstream_timeout)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         demo = None
@@ -51,11 +69,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             base_url, api_key = demo.base_url, None
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.chat = State(active, store, Turns(active, Gateway(client, base_url, api_key)))
+            app.state.chat = State(active, store, Turns(active, Gateway(client, base_url, api_key)), attachments)
             try:
                 yield
             finally:
                 await store.flush()
+                attachments.close()
+                if (index := getattr(app.state, "search_index", None)) is not None:
+                    app.state.search_ready.cancel()
+                    await index.close()
+                if not isinstance(store, FileStore):
+                    await store.close()
                 if demo is not None:
                     await demo.stop_async()
 
@@ -112,6 +136,10 @@ def install_error_answers(app: FastAPI) -> None:
     @app.exception_handler(TurnBusy)
     async def busy(_: Request, exc: TurnBusy) -> JSONResponse:
         return detail(409, "a reply is still streaming on this conversation")
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return detail(503, str(exc))
 
     @app.exception_handler(LockLost)
     async def lock_lost(_: Request, exc: LockLost) -> JSONResponse:

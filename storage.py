@@ -77,6 +77,10 @@ class TurnBusy(Exception):
     """A turn already holds this conversation's lock."""
 
 
+class StoreUnavailable(Exception):
+    """The store cannot be reached now (Redis down); nothing acknowledged is lost, try again later."""
+
+
 class LockLost(Exception):
     """A write came from a turn whose lock is no longer the conversation's current one."""
 
@@ -296,6 +300,12 @@ class Store(Protocol):
         """Wait until every acknowledged change is durable (at shutdown)."""
 
 
+class StoreObserver(Protocol):
+    def changed(self, owner: str, conv: dict) -> None: ...
+
+    def removed(self, owner: str, conv_id: str) -> None: ...
+
+
 def _check_owner(owner: str) -> str:
     if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
         raise ValueError(f"not an owner id: {owner!r}")
@@ -325,6 +335,9 @@ class FileStore:
         self._deleted: set[str] = set()
         self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
         self._turn_locks: dict[str, TurnLock] = {}
+        # Told of every change as it is made (e.g. the search index): `changed(owner, conv)`,
+        # `removed(owner, conv_id)`; called without awaiting, so they must only queue work.
+        self.observers: list[StoreObserver] = []
 
     def for_owner(self, owner: str) -> FileOwnerStore:
         return FileOwnerStore(self, _check_owner(owner))
@@ -346,8 +359,14 @@ class FileStore:
     async def create(self, conv: dict) -> dict:
         conv = upgrade(dict(conv))
         self._cache[conv["id"]] = ((0, 0), conv)
-        await asyncio.shield(self._queue_write(conv["id"], self._snapshot(conv["id"], conv)))
+        write = self._queue_write(conv["id"], self._snapshot(conv["id"], conv))
+        self._tell_changed(conv)
+        await asyncio.shield(write)
         return conv
+
+    def _tell_changed(self, conv: dict) -> None:
+        for observer in self.observers:
+            observer.changed(conv["owner"], conv)
 
     def load(self, conv_id: str) -> dict:
         """The stored conversation, whoever owns it (NotFound, Damaged)."""
@@ -451,7 +470,9 @@ class FileStore:
         except BaseException:
             self._forget(conv_id)
             raise
-        return self._queue_write(conv_id, snapshot)
+        write = self._queue_write(conv_id, snapshot)
+        self._tell_changed(conv)
+        return write
 
     def _forget(self, conv_id: str) -> None:
         """Memory is ahead of a file that will not catch up: read the file again next time."""
@@ -498,9 +519,11 @@ class FileStore:
         while self._tail:
             await asyncio.wait(list(self._tail.values()))
 
-    async def remove(self, conv_id: str) -> None:
+    async def remove(self, conv_id: str, owner: str) -> None:
         """Remove a conversation; a damaged file is refused (Damaged) like any other write."""
         path = self._path(conv_id)
+        for observer in self.observers:
+            observer.removed(owner, conv_id)
         self._deleted.add(conv_id)
         self._forget(conv_id)
         self._turn_locks.pop(conv_id, None)
@@ -584,7 +607,7 @@ class FileOwnerStore:
 
     async def delete(self, conv_id: str) -> None:
         self._mine(conv_id)
-        await self.files.remove(conv_id)
+        await self.files.remove(conv_id, self.owner)
 
     async def read_memory(self) -> str:
         """The memory file; bytes that are not UTF-8 are shown replaced (and logged), never fatal."""

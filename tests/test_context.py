@@ -392,7 +392,8 @@ async def test_gateway_usage_dialects_reach_the_stored_prompt_size(api, sim, con
 
 
 async def test_anthropic_buckets_from_a_tool_turn_reach_the_stored_prompt_size(api, sim):
-    created = await api.new()  # web tools on: the turn goes to /v1/messages
+    created = await api.new()
+    await api.patch(created["id"], settings={"web_search": True})  # the turn goes to /v1/messages
     sim.enqueue(Script(steps=[steps.Text("Hi.")], usage=Usage(prompt=2006, completion=300, cached=1920,
                                                                cache_write=50)))
 

@@ -441,3 +441,13 @@ async def test_counting_the_prompt_does_not_hold_up_other_requests(client, api, 
     release.set()
     events = await turn
     assert names(events)[-1] == "done" and events[-1][1]["usage"]["input_tokens"] > 0
+
+
+async def test_a_new_conversation_starts_with_web_tools_off_so_hello_runs_no_search(api, sim):
+    conv = await api.new()
+    sim.enqueue(Script(steps=[steps.Text("Hello!")]))
+
+    await api.send(conv["id"], "hello")
+
+    assert (conv["settings"]["web_search"], conv["settings"]["web_fetch"]) == (False, False)
+    assert [r.path for r in sim.requests] == ["/v1/chat/completions"] and "tools" not in sim.requests[0].body

@@ -282,26 +282,19 @@ def test_file_names_never_carry_a_path():
         "attachment; filename=\"conversation.json\"; filename*=UTF-8''%EC%84%9C%EC%9A%B8%20%EC%97%AC%ED%96%89.json")
 
 
-# --- the import handler (written now, included once the store keeps branches) --------------------
+# --- the import route ---------------------------------------------------------------------------
 
-async def test_the_import_handler_stores_every_conversation_or_none(app):
-    # Without the Guard middleware, which today refuses any body that is not JSON (see the report).
-    bare = FastAPI()
-    bare.state.chat = app.state.chat
-    bare.include_router(exchange_routes.import_router)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=bare), base_url="http://127.0.0.1")
-    store = app.state.chat.store
+async def test_the_import_route_stores_every_conversation_or_none(client):
     bad = chatgpt_with(cycle)
 
     refused = await client.post("/api/import", files={"file": ("conversations.json", bad, "application/json")})
 
     assert refused.status_code == 422 and "cycle" in refused.json()["detail"]
-    assert store.list() == []
+    assert (await client.get("/api/conversations")).json() == []
     accepted = await client.post("/api/import", files={"file": ("x.json", fixture("chatgpt_conversations.json"))})
     assert accepted.status_code == 201
     ids = accepted.json()["imported"]
     assert len(ids) == 2
-    stored = store.get(ids[0])
+    stored = (await client.get(f"/api/conversations/{ids[0]}")).json()
     assert [m["content"] for m in stored["messages"]][-1] == "Rome is the capital of Italy."
     assert stored["title"] == "Capitals" and len(stored["branches"]) == 2
-    await client.aclose()

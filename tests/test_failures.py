@@ -49,7 +49,8 @@ async def test_unknown_model_400_from_litellm_or_openrouter_is_model_unavailable
 
 
 async def test_unknown_model_on_litellms_anthropic_route_is_model_unavailable(api, sim):
-    conv = await api.new()  # web tools on: the turn goes to /v1/messages
+    conv = await api.new()
+    await api.patch(conv["id"], settings={"web_search": True})  # the turn goes to /v1/messages
     sim.enqueue(errors.litellm_invalid_model("openai/gpt-5-mini", anthropic_route=True))
 
     events = await api.send(conv["id"], "hello")

@@ -33,10 +33,9 @@ async def new_conversation(client: httpx.AsyncClient, *, tools: bool = False) ->
     created = await client.post("/api/conversations", json={})
     assert created.status_code == 201, created.text
     conv_id = created.json()["id"]
-    if not tools:
-        patched = await client.patch(f"/api/conversations/{conv_id}",
-                                     json={"settings": {"web_search": False, "web_fetch": False}})
-        assert patched.status_code == 200
+    patched = await client.patch(f"/api/conversations/{conv_id}",
+                                 json={"settings": {"web_search": tools, "web_fetch": tools}})
+    assert patched.status_code == 200
     return conv_id
 
 

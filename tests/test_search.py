@@ -210,12 +210,12 @@ async def test_search_finds_a_message_folded_by_compression(api, client, sim):
 async def test_search_finds_a_message_in_a_sealed_segment_after_a_restart(app, api, client, settings):
     conv = await api.new()
     cid = conv["id"]
-    store = app.state.chat.store
+    store = app.state.chat.store.for_owner("local")
     old = [{"id": new_id(), "role": "user" if i % 2 == 0 else "assistant",
             "content": "the marmalade recipe" if i == 4 else f"message number {i}", "created_at": now_iso()}
            for i in range(SEAL_AFTER + 10)]
     await store.update(cid, lambda c: c["messages"].extend(old))
-    await store.flush()
+    await app.state.chat.store.flush()
     on_disk = json.loads((settings.data_dir / "conversations" / f"{cid}.json").read_text())
     assert on_disk["earlier_messages"] and all(m["id"] != old[4]["id"] for m in on_disk["messages"])
 
@@ -233,7 +233,8 @@ async def test_a_restart_indexes_what_was_saved_while_the_index_missed_it(app, a
     assert (await client.get("/api/search", params={"q": "wombat"})).json() == []  # the index is built
     added = {"id": new_id(), "role": "user", "content": "a wombat in the garden", "created_at": now_iso()}
     # Saved, but the index write never happened (a crash between the two).
-    await app.state.chat.store.update(conv["id"], lambda c: c["messages"].append(added))
+    app.state.chat.store.observers.clear()
+    await app.state.chat.store.for_owner("local").update(conv["id"], lambda c: c["messages"].append(added))
     await app.state.chat.store.flush()
 
     restarted = create_app(settings)
@@ -245,21 +246,27 @@ async def test_a_restart_indexes_what_was_saved_while_the_index_missed_it(app, a
     assert hits(response.json()) == [(conv["id"], added["id"])]
 
 
+async def test_a_query_holding_control_characters_is_searched_as_words(client):
+    response = await client.get("/api/search", params={"q": "a\x00b\x1fquote\"d"})
+
+    assert response.status_code == 200 and response.json() == []
+
+
 async def test_search_validates_its_query(client):
     assert (await client.get("/api/search", params={"q": ""})).status_code == 422
     assert (await client.get("/api/search", params={"q": "x" * 201})).status_code == 422
     assert (await client.get("/api/search", params={"q": "nothing"})).json() == []
 
 
-async def test_the_index_follows_the_store_through_index_messages(app, api, client, sim):
+async def test_the_index_follows_every_change_the_store_makes(app, api, client, sim):
     conv = await api.new()
-    assert (await client.get("/api/search", params={"q": "quokka"})).json() == []  # opens the index
     await talk(api, sim, conv["id"], ["what is a quokka"])
-    stored = app.state.chat.store.get(conv["id"])
-
-    # What the coordinator's save hook will do after each turn's save.
-    await app.state.search_index.index_messages("local", conv["id"], stored["title"], stored["messages"][-2:],
-                                                stored["updated_at"])
+    stored = await api.get(conv["id"])
 
     found = (await client.get("/api/search", params={"q": "quokka"})).json()
-    assert {r["message_id"] for r in found} == {m["id"] for m in stored["messages"][-2:]} | {None}  # and the title
+
+    assert {r["message_id"] for r in found} == {m["id"] for m in stored["messages"]} | {None}  # and the title
+    await client.patch(f"/api/conversations/{conv['id']}", json={"title": "Marsupials"})
+    assert {r["title"] for r in (await client.get("/api/search", params={"q": "quokka"})).json()} == {"Marsupials"}
+    await client.delete(f"/api/conversations/{conv['id']}")
+    assert (await client.get("/api/search", params={"q": "quokka"})).json() == []

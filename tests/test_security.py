@@ -367,6 +367,8 @@ def test_the_gateway_key_never_appears_in_responses_logs_or_files(tmp_path, sim)
 
             # A tool turn: a gateway rejecting a tool (naming the key) turns into a warning.
             tool_conv = record(http.post("/api/conversations", json={})).json()["id"]
+            record(http.patch(f"/api/conversations/{tool_conv}", json={"settings": {"web_search": True,
+                                                                                   "web_fetch": True}}))
             sim.enqueue(Script(status=400, error_body={"type": "error", "error": {
                 "type": "invalid_request_error", "message": f"web_fetch is not enabled for key {key}"}}),
                         Script(steps=[steps.Text("Answered without fetch.")]))

@@ -26,6 +26,7 @@ def paths(sim) -> list[str]:
 @contextlib.asynccontextmanager
 async def app_with(sim, tmp_path, **overrides):
     """The real app on its own settings, for tests that need a key or other limits."""
+    overrides = {"default_web_search": True, "default_web_fetch": True, **overrides}
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "own", upstream_timeout=5,
                         **overrides)
     app = create_app(settings)
@@ -36,8 +37,14 @@ async def app_with(sim, tmp_path, **overrides):
 
 
 @pytest.fixture
+def settings(settings):
+    """This module's conversations start with both web tools on, as DEFAULT_WEB_SEARCH/FETCH can say."""
+    return settings.model_copy(update={"default_web_search": True, "default_web_fetch": True})
+
+
+@pytest.fixture
 async def conv(api):
-    return await api.new()   # both tools are on by default
+    return await api.new()
 
 
 async def test_tool_turn_request_shape(sim, tmp_path):
@@ -341,6 +348,7 @@ def test_stop_closes_the_upstream_socket_and_keeps_the_partial_tool_reply(live_s
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
     base = live_server.base_url
     conv_id = httpx.post(f"{base}/api/conversations", json={}).json()["id"]
+    httpx.patch(f"{base}/api/conversations/{conv_id}", json={"settings": {"web_search": True, "web_fetch": True}})
 
     hung_up_at = hang_up_after_first_delta(base, conv_id)
 
