@@ -99,6 +99,7 @@ class TurnStarted:
     assistant_message_id: str
     model: str
     user_message_id: str | None = None
+    masked: int | None = None  # personal data replaced in the person's message (PII_MASKING=on)
     type: Literal["start"] = "start"
 
 

@@ -44,8 +44,10 @@ def payload(event: TurnEvent) -> dict | None:
             return data
         case TurnWarning(code=code, message=message):
             return {"code": code, "message": message}
-        case TurnStarted(assistant_message_id=assistant, model=model, user_message_id=user):
+        case TurnStarted(assistant_message_id=assistant, model=model, user_message_id=user, masked=masked):
             data = {"assistant_message_id": assistant, "model": model}
+            if masked is not None:
+                data["masked"] = masked
             return {"user_message_id": user, **data} if user else data
         case Compressed(data=data):
             return data

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import anyio
 
 import context
+import pii
 from config import Settings
 from events import (
     Compressed, Event, Reply, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning, accumulate,
@@ -69,6 +70,7 @@ class Turn:
     outcome: Outcome = Outcome.PENDING
     # Set once the request went upstream: from then on a stopped reply was billed, text or not.
     requested: bool = False
+    masked: int | None = None  # items of personal data masked in the person's message, when masking is on
     # Our own count of the prompt, the floor under the measured one; counted on a worker thread
     # (tiktoken lets go of the GIL), because the first count of a long conversation takes
     # hundreds of milliseconds that every other stream would otherwise wait through.
@@ -143,6 +145,9 @@ class Turns:
                 turn = Turn(store, lock, conv["model"], None)
                 change = _drop_trailing_answers
             else:
+                masked = None
+                if self.settings.pii_masking == "on":
+                    content, masked = pii.mask(content)
                 user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
 
                 def change(c: dict) -> None:
@@ -150,7 +155,7 @@ class Turns:
                         c["title"] = title_from(content)
                     c["messages"].append(user)
 
-                turn = Turn(store, lock, conv["model"], user)
+                turn = Turn(store, lock, conv["model"], user, masked=masked)
             _, turn.opening = await store.update_soon(conv_id, change, lock=lock)
         except BaseException:
             await store.unlock_turn(lock)
@@ -186,8 +191,11 @@ class Turns:
         result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending)
         if not result.history:
             return result.event(0)
+        facts = list(result.facts)
+        if self.settings.pii_masking == "on":
+            facts = [pii.mask(fact)[0] for fact in facts]
         # Memory is read only now: another conversation may have added facts while the summarizer ran.
-        memory, added = context.merge_facts(await store.read_memory(), list(result.facts))
+        memory, added = context.merge_facts(await store.read_memory(), facts)
         if added:
             await store.write_memory(memory)
         data = result.event(added)
@@ -225,7 +233,7 @@ class Turns:
         reply = turn.reply
         user_id = turn.user_message["id"] if turn.user_message else None
         try:
-            yield TurnStarted(turn.assistant_id, turn.model, user_id)
+            yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
             if context.project(conv, memory, self.settings) > context.budget_of(conv, self.settings):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from playwright.sync_api import expect
 
 from pagekit import assistant_messages, conversation_id, exchange, screenshot, send
@@ -199,11 +201,14 @@ def test_a_turn_over_budget_announces_its_compression_live(page, server, sim):
     sim.enqueue(Script([steps.Text("One.")]), Script([steps.Text("Two.")]))
     exchange(page, "First topic", "Second topic")
     conv_id = conversation_id(page)
-    server.api("PATCH", f"/api/conversations/{conv_id}", json={"settings": {"context_budget": 1}}).raise_for_status()
+    refused = server.api("PATCH", f"/api/conversations/{conv_id}", json={"settings": {"context_budget": 1}})
+    smallest = int(re.search(r"at least (\d+)", refused.json()["detail"])[1])
+    server.api("PATCH", f"/api/conversations/{conv_id}",
+               json={"settings": {"context_budget": smallest}}).raise_for_status()
 
     sim.enqueue(Script([steps.Text('{"summary": "Two topics so far.", "facts": []}')]),
                 Script([steps.Sleep(1.0), steps.Text("Three.")]))
-    send(page, "Third topic")
+    send(page, "Third topic " + "lorem " * 300)  # with the reply reserve, over the smallest budget
     notice = page.locator("[data-test=message][data-role=notice]")
     expect(notice).to_have_count(1)
     expect(assistant_messages(page).last).to_have_attribute("data-status", "streaming")
