@@ -720,10 +720,17 @@ class RedisOwnerStore:
             await s._unlock(keys=[s.lock_key(lock.conv_id), s.fence_key(lock.conv_id)], args=[lock.value])
 
     async def turn_locked(self, conv_id: str) -> bool:
+        """Whether a turn holds this owner's conversation; another owner's id is NotFound, like an unknown one."""
         if not valid_id(conv_id):
-            return False
+            raise NotFound(conv_id)
         with self.store.reachable():
-            return bool(await self.store.redis.exists(self.store.lock_key(conv_id)))
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self.store.conv_key(conv_id), "owner")
+                pipe.exists(self.store.lock_key(conv_id))
+                owner, locked = await pipe.execute()
+        if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != self.owner:
+            raise NotFound(conv_id)
+        return bool(locked)
 
 
 async def expire_old(files: FileStore, days: float, *, now: datetime | None = None) -> list[str]:

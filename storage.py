@@ -284,7 +284,8 @@ class OwnerStore(Protocol):
     async def unlock_turn(self, lock: TurnLock) -> None:
         """Release a claim (a no-op when it is no longer current)."""
 
-    async def turn_locked(self, conv_id: str) -> bool: ...
+    async def turn_locked(self, conv_id: str) -> bool:
+        """Whether a turn holds the conversation; NotFound for another owner's id or an unknown one."""
 
 
 class Store(Protocol):
@@ -641,4 +642,5 @@ class FileOwnerStore:
             del self.files._turn_locks[lock.conv_id]
 
     async def turn_locked(self, conv_id: str) -> bool:
+        self._mine(conv_id)
         return conv_id in self.files._turn_locks

@@ -112,6 +112,10 @@ async def test_another_owners_id_is_not_found_everywhere(store):
         await bob.delete(conv["id"])
     with pytest.raises(NotFound):
         await bob.lock_turn(conv["id"])
+    lock = await alice.lock_turn(conv["id"])
+    with pytest.raises(NotFound):  # a running turn of Alice's is not even "busy" to Bob
+        await bob.turn_locked(conv["id"])
+    await alice.unlock_turn(lock)
     assert await bob.list() == []
     for unknown in (new_id(), "../../etc/passwd", "short"):
         with pytest.raises(NotFound):

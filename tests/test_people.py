@@ -1,0 +1,202 @@
+"""Two people on one server: another person's ids answer exactly like unknown ids on every route,
+running turns and memory stay apart, and personal data is masked before it is stored or sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from auth import UserFile
+from config import Settings
+from simulator import Script, Usage, steps
+from support import names, parse_sse
+from test_auth import A_PASSWORD, B_PASSWORD, FAST, Server, log_in
+
+UNKNOWN = "NoSuchConversation123"
+
+
+@pytest.fixture
+async def server(tmp_path, sim):
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        upstream_timeout=5, auth="password", keep_recent_messages=2)
+    users = UserFile(settings.data_dir)
+    users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
+    users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
+    async with Server(settings) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def alice(server):
+    async with server.client(peer="192.0.2.1") as client:
+        assert (await log_in(client, "alice", A_PASSWORD)).status_code == 204
+        yield client
+
+
+@pytest.fixture
+async def bob(server):
+    async with server.client(peer="192.0.2.2") as client:
+        assert (await log_in(client, "bob", B_PASSWORD)).status_code == 204
+        yield client
+
+
+async def send(client, conv_id: str, content: str) -> list[tuple[str, dict]]:
+    response = await client.post(f"/api/conversations/{conv_id}/messages", json={"content": content})
+    assert response.status_code == 200, response.text
+    return parse_sse(response.text)
+
+
+def owned_files(data_dir) -> dict[str, bytes]:
+    """Everything the store keeps for people (sessions and the search cache change on every request)."""
+    return {str(p.relative_to(data_dir)): p.read_bytes() for p in sorted(data_dir.rglob("*"))
+            if p.is_file() and p.name not in ("sessions.json",) and "search.sqlite3" not in p.name}
+
+
+def requests_naming(app, conv_id: str, attachment_id: str, message_id: str) -> list[tuple[str, str, dict]]:
+    """Every route of the contract that takes a conversation id, with a body it would accept."""
+    bodies = {"messages": {"content": "let me in"}, "branch": {"message_id": message_id}}
+    out = []
+    for path, operations in app.openapi()["paths"].items():
+        if "{conv_id}" not in path:
+            continue
+        concrete = path.replace("{conv_id}", conv_id).replace("{attachment_id}", attachment_id)
+        for method in operations:
+            last = concrete.rstrip("/").rsplit("/", 1)[-1]
+            body = {"title": "mine now"} if method == "patch" else bodies.get(last, {})
+            out.append((method.upper(), concrete, body))
+    return out
+
+
+async def ask(client, method: str, path: str, body: dict):
+    if method == "POST" and path.endswith("/attachments"):
+        return await client.post(path, files={"file": ("notes.txt", b"private notes", "text/plain")})
+    return await client.request(method, path, json=body if method != "GET" else None)
+
+
+async def test_another_persons_ids_answer_exactly_like_unknown_ids_on_every_route(server, alice, bob, sim):
+    conv = (await alice.post("/api/conversations", json={})).json()
+    sim.enqueue(Script(steps=[steps.Text("Hello Alice.")]))
+    events = await send(alice, conv["id"], "my secret plan")
+    message_id = events[0][1]["user_message_id"]
+    upload = await alice.post(f"/api/conversations/{conv['id']}/attachments",
+                              files={"file": ("plan.txt", b"the plan", "text/plain")})
+    assert upload.status_code == 201
+    attachment_id = upload.json()["id"]
+    before = owned_files(server.settings.data_dir)
+    requests_before = len(sim.requests)
+
+    checked = requests_naming(server.app, conv["id"], attachment_id, message_id)
+    assert {m for m, _, _ in checked} >= {"GET", "PATCH", "DELETE", "POST"} and len(checked) >= 12
+    for method, path, body in checked:
+        theirs = await ask(bob, method, path, body)
+        unknown = await ask(bob, method, path.replace(conv["id"], UNKNOWN), body)
+        assert (theirs.status_code, theirs.text) == (unknown.status_code, unknown.text), (method, path)
+        assert theirs.status_code in (404, 422), (method, path, theirs.status_code)
+
+    # Bob's own conversation cannot reach Alice's attachment by its id either.
+    own = (await bob.post("/api/conversations", json={})).json()
+    assert (await bob.get(f"/api/conversations/{own['id']}/attachments/{attachment_id}")).status_code == 404
+    assert [c["id"] for c in (await bob.get("/api/conversations")).json()] == [own["id"]]
+    assert (await bob.get("/api/search", params={"q": "secret"})).json() == []
+    after = {k: v for k, v in owned_files(server.settings.data_dir).items() if own["id"] not in k}
+    assert after == before, "Alice's data changed"
+    assert len(sim.requests) == requests_before, "Bob's requests reached the gateway"
+
+
+async def test_a_turn_of_alices_runs_while_bob_hammers_its_id(server, alice, bob, sim):
+    conv = (await alice.post("/api/conversations", json={})).json()
+    sim.enqueue(Script(steps=[steps.Text("First half, "), steps.Sleep(0.5), steps.Text("second half.")]))
+    turn = asyncio.create_task(send(alice, conv["id"], "tell me slowly"))
+    path = f"/api/conversations/{conv['id']}"
+
+    answers = set()
+    while not turn.done():
+        for method, suffix, body in [("GET", "", None), ("PATCH", "", {"title": "bob's"}),
+                                     ("POST", "/messages", {"content": "me too"}), ("POST", "/regenerate", {}),
+                                     ("POST", "/rewind", {}), ("POST", "/compress", {}), ("DELETE", "", None)]:
+            answers.add((await bob.request(method, path + suffix, json=body)).status_code)
+        await asyncio.sleep(0)
+
+    events = await turn
+    assert answers == {404}
+    assert names(events)[-1] == "done"
+    stored = (await alice.get(path)).json()
+    assert stored["messages"][-1]["content"] == "First half, second half." and stored["title"] != "bob's"
+
+
+async def test_a_fact_from_alices_conversation_never_reaches_bobs_prompt(alice, bob, sim):
+    conv = (await alice.post("/api/conversations", json={})).json()
+    for n in range(3):
+        sim.enqueue(Script(steps=[steps.Text(f"answer {n}")], usage=Usage(prompt=1000, completion=40)))
+        await send(alice, conv["id"], f"question {n} about durian")
+    sim.enqueue(Script(steps=[steps.Text(json.dumps({"summary": "Fruit talk.", "facts": ["Loves durian"]}))]))
+    compressed = (await alice.post(f"/api/conversations/{conv['id']}/compress", json={})).json()
+    assert compressed["facts_added"] == 1
+    assert "Loves durian" in (await alice.get("/api/memory")).json()["text"]
+
+    theirs = (await bob.post("/api/conversations", json={})).json()
+    sim.enqueue(Script(steps=[steps.Text("Hi Bob.")]))
+    await send(bob, theirs["id"], "hello")
+
+    assert (await bob.get("/api/memory")).json()["text"] == ""
+    assert "durian" not in json.dumps(sim.requests[-1].body).lower()
+
+
+async def test_the_model_lineup_is_changed_by_admins_only(alice, bob):
+    assert (await bob.post("/api/models", json={"id": "x/model", "tier": "fast"})).status_code == 403
+    assert (await alice.post("/api/models", json={"id": "x/model", "tier": "fast"})).status_code == 201
+    assert (await bob.delete("/api/models/x/model")).status_code == 403
+    assert (await alice.delete("/api/models/x/model")).status_code == 204
+
+
+# --- masking -------------------------------------------------------------------------------------
+
+PERSONAL = ("Call me at 010-1234-5678 or +82 10-9876-5432, mail kim@example.co.kr, "
+            "RRN 900101-1234567, card 4111 1111 1111 1111.")
+ORDINARY = "It costs $1,234.56 or ₩15,000 on 2026-12-01, version 1.108.3, order 1234567890123."
+
+
+@pytest.fixture
+def settings(settings):
+    return settings.model_copy(update={"pii_masking": "on", "keep_recent_messages": 2})
+
+
+async def test_masking_covers_the_stored_message_the_upstream_request_and_memory(api, client, sim, settings):
+    conv = await api.new()
+    sim.enqueue(Script(steps=[steps.Text("Noted.")]))
+
+    events = await api.send(conv["id"], PERSONAL + " " + ORDINARY)
+
+    assert events[0][1]["masked"] == 5
+    stored = (await api.get(conv["id"]))["messages"][0]["content"]
+    sent = json.dumps(sim.requests[-1].body, ensure_ascii=False)
+    for text in (stored, sent):
+        for secret in ("1234-5678", "9876-5432", "kim@example", "900101-1234567", "4111 1111"):
+            assert secret not in text
+        for placeholder in ("[phone]", "[email]", "[rrn]", "[card]"):
+            assert placeholder in text
+        assert ORDINARY in text, "prices, dates, versions and ordinary numbers stay"
+
+    for n in range(2):
+        sim.enqueue(Script(steps=[steps.Text(f"answer {n}")]))
+        await api.send(conv["id"], f"more {n}")
+    fact = "Reach them at 010-1234-5678 or kim@example.co.kr"
+    sim.enqueue(Script(steps=[steps.Text(json.dumps({"summary": "Contact.", "facts": [fact]}))]))
+    await client.post(f"/api/conversations/{conv['id']}/compress", json={})
+    memory = (await client.get("/api/memory")).json()["text"]
+    assert "Reach them at [phone] or [email]" in memory and "5678" not in memory
+
+
+async def test_without_masking_nothing_is_counted_or_changed(api, sim, settings):
+    settings.pii_masking = "off"
+    conv = await api.new()
+    sim.enqueue(Script(steps=[steps.Text("Noted.")]))
+
+    events = await api.send(conv["id"], PERSONAL)
+
+    assert "masked" not in events[0][1]
+    assert (await api.get(conv["id"]))["messages"][0]["content"] == PERSONAL
+    assert re.search(r"010-1234-5678", json.dumps(sim.requests[-1].body))
