@@ -55,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from failures import redact_json
 from storage import (LOCAL_OWNER, SEALED_LISTS, SEGMENT_MESSAGES, Change, FileStore, LockLost, NotFound,
                      StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, summary_of, upgrade,
                      valid_id)
@@ -235,12 +236,12 @@ def _plan(old: _Stored | None, items: object, known: bool) -> tuple[int, _Stored
     if not isinstance(items, list):
         return (-1 if known and old is None else -2), None, []
     if old is None:
-        raw = [orjson.dumps(item) for item in items]
+        raw = [redact_json(orjson.dumps(item)) for item in items]
         return 0, _Stored(raw, list(items)), raw
     n = len(old.raw)
     cut = min(max(0, n - RECHECK), len(items))
     same = next((i for i in range(cut) if old.items[i] is not items[i]), cut)
-    tail = [orjson.dumps(item) for item in items[same:]]
+    tail = [redact_json(orjson.dumps(item)) for item in items[same:]]
     if same == cut:
         k = 0
         while same + k < n and k < len(tail) and tail[k] == old.raw[same + k]:
@@ -393,7 +394,7 @@ class RedisStore:
         conv_id, owner = conv["id"], conv["owner"]
         head = {key: (None if key in LISTS and isinstance(value, list) else value) for key, value in conv.items()}
         lists = [name for name in LISTS if isinstance(conv.get(name), list)]
-        args: list = [expected.version if expected else "", fence, nonce or new_id(), owner, orjson.dumps(head),
+        args: list = [expected.version if expected else "", fence, nonce or new_id(), owner, redact_json(orjson.dumps(head)),
                       orjson.dumps(summary_of(conv)), _score(conv["updated_at"]), self.ttl_ms,
                       orjson.dumps(lists), conv_id]
         stored: dict[str, _Stored | None] = {}

@@ -46,6 +46,8 @@ from typing import Awaitable, Callable, Protocol
 import anyio
 import orjson
 
+from failures import redact_json
+
 log = logging.getLogger("chat.storage")
 
 SCHEMA_VERSION = 3
@@ -225,8 +227,9 @@ class Snapshot:
 
 
 def _dumps(obj: object) -> bytes:
+    """The stored bytes: never holding a kept secret (the gateway key), whatever echoed it."""
     # The newline from orjson, not `+ b"\n"`: concatenating copies a long conversation's megabytes again.
-    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+    return redact_json(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
 
 
 Change = Callable[[dict], object]

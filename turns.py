@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import enum
 import logging
@@ -27,9 +28,10 @@ import context
 import pii
 from config import Settings
 from events import (
-    Compressed, Event, Reply, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning, accumulate,
+    Compressed, Event, ReasoningDelta, Reply, TextDelta, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning,
+    accumulate,
 )
-from failures import UpstreamError, classify_exception
+from failures import StreamRedactor, UpstreamError, classify_exception, redact_value
 from storage import NotFound, OwnerStore, TurnLock, new_id, now_iso
 from upstream import chat
 from upstream import messages as web_tools
@@ -59,6 +61,33 @@ class Outcome(enum.Enum):
     ABANDONED = "abandoned"        # the client left before the stream began
 
 
+class Redactor:
+    """Takes kept secrets (the gateway key) out of upstream events before anyone sees or stores them.
+
+    Reply and reasoning text arrive in pieces, so each goes through its own StreamRedactor (a key
+    split across two deltas is still caught); every other event is redacted whole.
+    """
+
+    def __init__(self) -> None:
+        self.text = StreamRedactor()
+        self.reasoning = StreamRedactor()
+
+    def __call__(self, event: Event) -> Event | None:
+        match event:
+            case TextDelta(text=text):
+                return TextDelta(safe) if (safe := self.text.feed(text)) else None
+            case ReasoningDelta(text=text):
+                return ReasoningDelta(safe) if (safe := self.reasoning.feed(text)) else None
+        values = {f.name: getattr(event, f.name) for f in dataclasses.fields(event) if f.name != "type"}
+        safe = {name: redact_value(value) for name, value in values.items()}
+        changed = any(safe[name] is not values[name] for name in values)
+        return dataclasses.replace(event, **safe) if changed else event
+
+    def rest(self) -> list[Event]:
+        """What the text streams held back, once they ended (the start of a key is not the key)."""
+        return [e for e in (ReasoningDelta(self.reasoning.flush()), TextDelta(self.text.flush())) if e.text]
+
+
 @dataclass(slots=True)
 class Turn:
     store: OwnerStore
@@ -70,6 +99,7 @@ class Turn:
     outcome: Outcome = Outcome.PENDING
     # Set once the request went upstream: from then on a stopped reply was billed, text or not.
     requested: bool = False
+    redactor: Redactor = field(default_factory=Redactor)
     masked: int | None = None  # items of personal data masked in the person's message, when masking is on
     # Our own count of the prompt, the floor under the measured one; counted on a worker thread
     # (tiktoken lets go of the GIL), because the first count of a long conversation takes
@@ -257,8 +287,12 @@ class Turns:
                         async for event in events:
                             if turn.opening is not None:
                                 await self._opened(turn)
-                            accumulate(reply, event)
-                            yield event
+                            if (event := turn.redactor(event)) is not None:
+                                accumulate(reply, event)
+                                yield event
+                    for event in turn.redactor.rest():
+                        accumulate(reply, event)
+                        yield event
                     break
                 except UpstreamError as failure:
                     # An overflow before the first token means our projection fell short: compress
@@ -365,6 +399,8 @@ class Turns:
         if turn.settled:
             return None
         reply = turn.reply
+        for held in turn.redactor.rest():
+            accumulate(reply, held)
         stopped_early = status == "interrupted" and error is None and turn.requested
         if not reply.has_output and not stopped_early:
             turn.outcome = Outcome.EMPTY

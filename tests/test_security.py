@@ -8,6 +8,7 @@ checks one protection and fails without it.
 from __future__ import annotations
 
 import os
+import json
 import secrets
 import subprocess
 import sys
@@ -501,3 +502,28 @@ async def test_static_files_cannot_reach_outside_static(client, path):
     response = await client.get(path)
     assert response.status_code in (400, 404), response.status_code
     assert "import" not in response.text and "root:" not in response.text
+
+
+async def test_a_key_echoed_in_a_fetch_error_reply_or_reasoning_never_leaves_or_is_stored(tmp_path, sim):
+    """A gateway echoed its key in a fetch result's error code, and the model in its text: all redacted."""
+    key = "sk-live-" + secrets.token_hex(20)
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, gateway_api_key=key,
+                        data_dir=tmp_path / "data", default_web_search=True, default_web_fetch=True)
+    half = len(key) // 2
+    sim.enqueue(Script(steps=[
+        steps.Reasoning(f"the key is {key}, careful", chunk_size=7),
+        steps.Fetch("https://example.com/a", ok=False, error_code=f"url_not_accessible:{key}"),
+        steps.Text(f"Your key is {key[:half]}", chunk_size=100), steps.Text(f"{key[half:]} indeed.", chunk_size=100),
+    ]))
+    async with serve(settings) as (app, client):
+        conv = (await client.post("/api/conversations", json={})).json()
+        body = (await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": "hi"})).text
+        stored = (await client.get(f"/api/conversations/{conv['id']}")).text
+        await app.state.chat.store.flush()
+
+    on_disk = "".join(p.read_text() for p in (tmp_path / "data").rglob("*.json"))
+    for seen in (body, stored, on_disk):
+        assert key not in seen and key[:half] + key[half:] not in seen.replace('"', "")
+    reply = json.loads(stored)["messages"][-1]
+    assert reply["content"] == "Your key is [redacted] indeed."
+    assert "[redacted]" in reply["activity"][0]["text"] and reply["activity"][1]["error"].endswith("[redacted]")
