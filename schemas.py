@@ -124,6 +124,7 @@ class ModelEntry(TypedDict):
     label: str
     reasoning: bool
     custom: bool
+    cache_markers: bool  # false: its server takes plain text only, so its prompt carries no cache marker
 
 
 class TierEntry(TypedDict):

@@ -160,6 +160,8 @@ class Turns:
     def __init__(self, settings: Settings, gateway: Gateway) -> None:
         self.settings = settings
         self.gateway = gateway
+        # Models that must get plain-text content: configured, or learned from a refusal of the layout.
+        self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None) -> Turn:
         """Claim the conversation and add the person's message (or clear the answer to regenerate).
@@ -295,6 +297,8 @@ class Turns:
                         yield event
                     break
                 except UpstreamError as failure:
+                    if self._learned_plain_text(turn, conv, failure):
+                        continue
                     # An overflow before the first token means our projection fell short: compress
                     # and retry once. If nothing could be folded, a retry would overflow the same way.
                     if failure.kind != "context_overflow" or reply.has_output or healed:
@@ -326,6 +330,19 @@ class Turns:
                 await self._save(turn, "interrupted")
                 await turn.store.unlock_turn(turn.lock)
 
+    def _learned_plain_text(self, turn: Turn, conv: dict, failure: UpstreamError) -> bool:
+        """A server that refused the layered system blocks as malformed: send plain text from now on.
+
+        True when this turn should be sent again that way (once: a second refusal is a real one).
+        """
+        if not failure.malformed_request or turn.reply.has_output or turn.model in self.plain_text_models \
+                or web_tools.enabled(conv["settings"], self.settings):
+            return False
+        self.plain_text_models.add(turn.model)
+        log.warning("%s refused the layered system prompt; sending it plain text from now on (no cache markers)",
+                    turn.model)
+        return True
+
     @staticmethod
     def _warn(reply: Reply, code: str, message: str) -> TurnWarning:
         """A warning of the pipeline's own, kept with the reply like the transports' warnings."""
@@ -344,6 +361,7 @@ class Turns:
         body = chat.build_body(
             turn.model, prompt.system, prompt.messages,
             max_tokens=self.settings.max_completion_tokens, params=self.settings.params_for(turn.model),
+            plain_text=turn.model in self.plain_text_models,
         )
         return self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
 

@@ -19,7 +19,8 @@ async def list_models(state: StateDep) -> dict:
         "summarizer": state.settings.summarizer_model,
         "tiers": [
             {"tier": tier, "models": [
-                {"id": m.id, "label": m.label, "reasoning": m.reasoning, "custom": m.custom}
+                {"id": m.id, "label": m.label, "reasoning": m.reasoning, "custom": m.custom,
+                 "cache_markers": m.id not in state.turns.plain_text_models}
                 for m in lineup if m.tier == tier
             ]}
             for tier in TIERS

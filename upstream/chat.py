@@ -18,11 +18,21 @@ from upstream.sse import SSERecord
 PATH = "/v1/chat/completions"
 
 
+def plain(content: object) -> str:
+    """Text parts as one string, their cache markers dropped."""
+    return content if isinstance(content, str) else "\n\n".join(p.get("text", "") for p in content)
+
+
 def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
-               max_tokens: int, params: dict, stream: bool = True) -> dict:
+               max_tokens: int, params: dict, stream: bool = True, plain_text: bool = False) -> dict:
+    """The request; `plain_text` for servers that take only a string as a message's content
+    (llama-cpp-python's): the layered system blocks become one string and no cache marker is sent."""
+    system = [{"role": "system", "content": plain(system_parts) if plain_text else system_parts}] if system_parts else []
+    if plain_text:
+        messages = [{**m, "content": plain(m["content"])} for m in messages]
     body: dict = {
         "model": model,
-        "messages": ([{"role": "system", "content": system_parts}] if system_parts else []) + messages,
+        "messages": system + messages,
         "max_tokens": max_tokens,
         **params,
     }
