@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     keep_recent_messages: int = Field(8, ge=2)
     max_completion_tokens: int = Field(4096, gt=0)
     summary_max_tokens: int = Field(2048, gt=0)
+    # New conversations ask before a compression's facts reach memory.md (they can come from fetched pages).
+    approve_facts: bool = False
     cache_ttl: Literal["5m", "1h"] = "5m"
     cache_history_breakpoint: bool = True
 

@@ -367,19 +367,32 @@ def _fact_key(line: str) -> str:
     return " ".join(re.sub(r"^\s*[-*]\s+", "", line).split()).casefold()
 
 
-def merge_facts(memory: str, facts: list[str]) -> tuple[str, int]:
-    """`memory` with the new facts appended as `- fact` lines; (text, how many were new)."""
+def fresh_facts(memory: str, facts: list[str]) -> list[str]:
+    """The facts `memory` does not hold yet (exact-line dedup), each once, in order."""
     known = {_fact_key(line) for line in memory.splitlines()}
     new = []
     for fact in facts:
         key = _fact_key(fact)
         if key and key not in known:
             known.add(key)
-            new.append(f"- {fact}")
+            new.append(" ".join(fact.split()))
+    return new
+
+
+def merge_facts(memory: str, facts: list[str]) -> tuple[str, int]:
+    """`memory` with the new facts appended as `- fact` lines; (text, how many were new)."""
+    new = fresh_facts(memory, facts)
     if not new:
         return memory, 0
     head = memory if not memory or memory.endswith("\n") else memory + "\n"
-    return head + "\n".join(new) + "\n", len(new)
+    return head + "\n".join(f"- {fact}" for fact in new) + "\n", len(new)
+
+
+def forget_facts(memory: str, facts: list[str]) -> str:
+    """`memory` without the lines holding these facts (as merge_facts wrote them, or tidied by hand)."""
+    gone = {_fact_key(fact) for fact in facts}
+    kept = [line for line in memory.splitlines(keepends=True) if _fact_key(line) not in gone or not line.strip()]
+    return "".join(kept)
 
 
 def first_words(text: str, limit: int = 8) -> str:
@@ -429,7 +442,10 @@ class Compression:
         else:
             text = (f"Folded {n} earlier message{'s' if n != 1 else ''} into the summary "
                     f"({data['summary_tokens']} tokens)")
-            if data["facts_added"]:
+            proposed = len(data.get("facts") or ())
+            if data.get("facts_pending") and proposed:
+                text += f"; {proposed} fact{'s' if proposed != 1 else ''} proposed for memory, waiting for your review"
+            elif data["facts_added"]:
                 text += f"; {data['facts_added']} new fact{'s' if data['facts_added'] != 1 else ''} saved to memory"
             text += "."
         message = {"id": new_id(), "role": "notice", "content": text, "created_at": now_iso(), "compression": data}

@@ -173,6 +173,7 @@ class SettingsPatch(Strict):
     context_budget: StrictInt | None = Field(None, gt=0, le=10_000_000)
     web_search: StrictBool | None = None
     web_fetch: StrictBool | None = None
+    approve_facts: StrictBool | None = None
     tool_instructions: StrictStr | None = Field(None, max_length=10_000)
     # The pattern only tells OpenAPI clients (and generated tests) what the validator below checks.
     compression_prompt: StrictStr | None = Field(None, max_length=50_000,
@@ -222,6 +223,13 @@ class MessageCreate(Strict):
 
 class Empty(Strict):
     pass
+
+
+class FactsReview(Strict):
+    """The facts of one compression notice that memory keeps, as the person edited them."""
+
+    notice_id: StrictStr = Field(min_length=1, max_length=64)
+    keep: list[Annotated[StrictStr, Field(min_length=1, max_length=500)]] = Field(max_length=50)
 
 
 class ModelCreate(Strict):

@@ -227,10 +227,13 @@ class Turns:
         if self.settings.pii_masking == "on":
             facts = [pii.mask(fact)[0] for fact in facts]
         # Memory is read only now: another conversation may have added facts while the summarizer ran.
-        memory, added = context.merge_facts(await store.read_memory(), facts)
-        if added:
-            await store.write_memory(memory)
-        data = result.event(added)
+        memory = await store.read_memory()
+        fresh = context.fresh_facts(memory, facts)
+        # Facts can come from fetched pages: with approval on, none is kept until the person says so.
+        review = (await store.get(conv_id))["settings"].get("approve_facts", self.settings.approve_facts)
+        if fresh and not review:
+            await store.write_memory(context.merge_facts(memory, fresh)[0])
+        data = {**result.event(0 if review else len(fresh)), "facts": fresh, "facts_pending": bool(review and fresh)}
         notice = result.notice(data)
 
         def save(c: dict) -> None:
@@ -243,6 +246,35 @@ class Turns:
 
         await store.update(conv_id, save, lock=lock)
         return {**data, "notice": notice}
+
+    async def review_facts(self, store: OwnerStore, conv_id: str, notice_id: str, keep: list[str]) -> dict:
+        """The person's word on a compression's facts: `keep` (edited or not) is what memory holds of
+        them from now on; the others are dropped from memory, or never written when they waited for
+        approval. Answers the updated notice."""
+        conv = await store.get(conv_id)
+        notice = next((m for m in conv["messages"] + conv.get("archive", [])
+                       if m["id"] == notice_id and m["role"] == "notice" and "compression" in m), None)
+        if notice is None:
+            raise NotFound(notice_id)
+        if self.settings.pii_masking == "on":
+            keep = [pii.mask(fact)[0] for fact in keep]
+        data = notice["compression"]
+        memory = await store.read_memory()
+        if not data.get("facts_pending"):
+            memory = context.forget_facts(memory, data.get("facts") or [])
+        memory, added = context.merge_facts(memory, keep)
+        await store.write_memory(memory)
+        kept = [" ".join(f.split()) for f in keep if f.strip()]
+
+        def record(c: dict) -> None:
+            for m in c["messages"] + c.get("archive", []):
+                if m["id"] == notice_id:
+                    m["compression"] = {**m["compression"], "facts": kept, "facts_pending": False,
+                                        "facts_reviewed": True, "facts_added": added}
+
+        await store.update(conv_id, record)
+        return next(m for m in (await store.get(conv_id))["messages"] + conv.get("archive", [])
+                    if m["id"] == notice_id)
 
     async def compress_now(self, store: OwnerStore, conv_id: str) -> dict:
         """Compress now (whatever the budget), with the conversation claimed as a turn would claim it."""

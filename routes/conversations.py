@@ -16,7 +16,8 @@ from config import ROOT, Settings
 from deps import OwnerStoreDep, StateDep
 from presets import PresetNotFound, Presets
 from schemas import (
-    Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, MessageCreate,
+    Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, FactsReview, Message,
+    MessageCreate,
 )
 from storage import OwnerStore, TurnBusy, new_id, now_iso
 from streaming import TurnResponse
@@ -50,6 +51,7 @@ def default_settings(settings: Settings, preset_name: str | None) -> dict:
         "context_budget": settings.context_budget_tokens,
         "web_search": settings.default_web_search,
         "web_fetch": settings.default_web_fetch,
+        "approve_facts": settings.approve_facts,
         "tools": list(preset.tools),
         "tool_instructions": (ROOT / "prompts" / "tool_instructions.txt").read_text(encoding="utf-8").strip()
         .replace("{search_max_uses}", str(settings.search_max_uses))
@@ -166,3 +168,9 @@ async def rewind(conv_id: str, store: OwnerStoreDep, body: Empty | None = None) 
 async def compress(conv_id: str, state: StateDep, store: OwnerStoreDep, body: Empty | None = None) -> dict:
     """Compress now, whatever the budget: the `compression` event's data (folded 0 when nothing is old enough)."""
     return await state.turns.compress_now(store, conv_id)
+
+
+@router.post("/{conv_id}/facts", response_model=Message)
+async def review_facts(conv_id: str, body: FactsReview, state: StateDep, store: OwnerStoreDep) -> dict:
+    """Accept, edit or drop the facts a compression took for memory: `keep` is what memory holds of them."""
+    return await state.turns.review_facts(store, conv_id, body.notice_id, body.keep)

@@ -63,6 +63,7 @@ export const api = {
   deleteConversation: (id) => request("DELETE", conv(id)),
   rewind: (id) => request("POST", `${conv(id)}/rewind`, {}, { retryBusy: true }),
   compress: (id) => request("POST", `${conv(id)}/compress`, {}, { retryBusy: true }),
+  reviewFacts: (id, noticeId, keep) => request("POST", `${conv(id)}/facts`, { notice_id: noticeId, keep }),
 };
 
 /**

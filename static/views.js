@@ -1,6 +1,8 @@
 // Transcript views: one element per message, built from saved messages or grown live from a turn
-// stream, plus the number formats the header and stats lines share. No network access here.
+// stream, plus the number formats the header and stats lines share. No network access here, but for
+// a notice's facts panel (facts.js), which saves its own review.
 
+import { renderFacts } from "./facts.js";
 import { ActivityTrail, accumulateActivity, renderCitations } from "./activity.js";
 import { StreamingMarkdown, renderMarkdown } from "./markdown.js";
 import { button, node } from "./ui.js";
@@ -145,6 +147,8 @@ export function renderNotice(message, test = "message") {
   const el = shell("notice", message.id, test);
   el.setAttribute("role", "note");
   el.append(node("div", "notice-text", message.content));
+  const facts = renderFacts(message);
+  if (facts) el.append(facts);
   return el;
 }
 
