@@ -1,0 +1,103 @@
+"""Several server processes on one Redis (STORE=redis): what one makes, the other lists, reads and
+continues; a turn running on one is 409 on the other; ownership holds the same on both."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import httpx
+import pytest
+
+from auth import UserFile
+from redis_support import redis_server  # noqa: F401  (the fixture)
+from simulator import Script, steps
+from support import LiveServer, parse_sse
+from test_auth import A_PASSWORD, B_PASSWORD, FAST
+
+_databases = itertools.count(1)
+
+
+@pytest.fixture
+def pair(tmp_path, sim, redis_server):  # noqa: F811
+    """Two servers on one Redis database of their own, each with its own (unused) data directory."""
+    env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
+           "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    first = LiveServer(tmp_path / "a" / "data", env)
+    second = LiveServer(tmp_path / "b" / "data", env)
+    yield first, second
+    first.stop()
+    second.stop()
+
+
+def test_a_conversation_made_on_one_server_is_listed_read_and_continued_on_the_other(pair, sim):
+    a, b = pair
+    conv = httpx.post(f"{a.base_url}/api/conversations", json={}).json()
+    sim.enqueue(Script(steps=[steps.Text("Made on A.")]), Script(steps=[steps.Text("Continued on B.")]))
+    assert "event: done" in httpx.post(f"{a.base_url}/api/conversations/{conv['id']}/messages",
+                                       json={"content": "hello A"}, timeout=10).text
+
+    assert [c["id"] for c in httpx.get(f"{b.base_url}/api/conversations").json()] == [conv["id"]]
+    assert "event: done" in httpx.post(f"{b.base_url}/api/conversations/{conv['id']}/messages",
+                                       json={"content": "hello B"}, timeout=10).text
+    stored = httpx.get(f"{a.base_url}/api/conversations/{conv['id']}").json()
+    assert [m["content"] for m in stored["messages"]] == ["hello A", "Made on A.", "hello B", "Continued on B."]
+
+
+def test_a_turn_running_on_one_server_is_409_on_the_other(pair, sim):
+    a, b = pair
+    conv = httpx.post(f"{a.base_url}/api/conversations", json={}).json()
+    sim.enqueue(Script(steps=[steps.Text("Slow "), steps.Sleep(1.5), steps.Text("reply.")]))
+    started = threading.Event()
+    result = {}
+
+    def run_on_a() -> None:
+        with httpx.stream("POST", f"{a.base_url}/api/conversations/{conv['id']}/messages",
+                          json={"content": "take your time"}, timeout=20) as response:
+            text = ""
+            for chunk in response.iter_text():
+                text += chunk
+                if "event: delta" in text:
+                    started.set()
+            result["text"] = text
+
+    runner = threading.Thread(target=run_on_a)
+    runner.start()
+    assert started.wait(10), "the turn on A never streamed"
+    try:
+        busy = httpx.post(f"{b.base_url}/api/conversations/{conv['id']}/messages", json={"content": "me too"})
+        seen = httpx.get(f"{b.base_url}/api/conversations/{conv['id']}").json()
+    finally:
+        runner.join(20)
+
+    assert busy.status_code == 409 and seen["streaming"] is True
+    assert parse_sse(result["text"])[-1][0] == "done"
+
+
+def test_ownership_holds_the_same_on_both_servers(tmp_path, sim, redis_server):  # noqa: F811
+    database = f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"
+    servers = []
+    for name in ("a", "b"):
+        data_dir = tmp_path / name / "data"
+        users = UserFile(data_dir)
+        users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
+        users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
+        servers.append(LiveServer(data_dir, {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
+                                             "REDIS_URL": database, "AUTH": "password"}))
+    a, b = servers
+    try:
+        with httpx.Client(base_url=a.base_url) as alice, httpx.Client(base_url=b.base_url) as bob, \
+                httpx.Client(base_url=b.base_url) as alice_on_b:
+            for client, name, password in ((alice, "alice", A_PASSWORD), (bob, "bob", B_PASSWORD),
+                                           (alice_on_b, "alice", A_PASSWORD)):
+                assert client.post("/api/auth/login", json={"username": name, "password": password}).status_code == 204
+            conv = alice.post("/api/conversations", json={}).json()
+
+            assert bob.get(f"/api/conversations/{conv['id']}").status_code == 404
+            assert bob.get("/api/conversations").json() == []
+            assert alice_on_b.get(f"/api/conversations/{conv['id']}").status_code == 200
+    finally:
+        a.stop()
+        b.stop()
