@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -732,21 +732,3 @@ class RedisOwnerStore:
         if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != self.owner:
             raise NotFound(conv_id)
         return bool(locked)
-
-
-async def expire_old(files: FileStore, days: float, *, now: datetime | None = None) -> list[str]:
-    """The file store's CONVERSATION_TTL_DAYS: delete conversations not updated for `days`; their ids."""
-    cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=days)
-    removed = []
-    for conv in files.load_all():
-        try:
-            updated = datetime.fromisoformat(conv["updated_at"])
-        except ValueError:
-            continue  # an unreadable date is not a reason to delete anything
-        if updated.tzinfo is None:
-            updated = updated.replace(tzinfo=timezone.utc)
-        if updated < cutoff:
-            await files.remove(conv["id"], conv["owner"])
-            removed.append(conv["id"])
-    return removed
-

@@ -7,6 +7,7 @@ prompt.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from contextlib import asynccontextmanager
@@ -43,15 +44,38 @@ def make_store(settings: Settings) -> Store:
     return FileStore(settings.data_dir)
 
 
+EXPIRY_INTERVAL = 3600  # seconds between passes over the file store for CONVERSATION_TTL_DAYS
+
+
+async def expire_untouched(files: FileStore, days: float, first_pass: asyncio.Future) -> None:
+    """Delete conversations untouched for `days`: at start, then every EXPIRY_INTERVAL."""
+    while True:
+        try:
+            removed = await files.expire(days)
+        except Exception:
+            log.exception("expiring old conversations failed; trying again later")
+            removed = []
+        if removed:
+            log.info("deleted %d conversations untouched for %s days", len(removed), days)
+        if not first_pass.done():
+            first_pass.set_result(removed)
+        await asyncio.sleep(EXPIRY_INTERVAL)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         active = settings or get_settings()
         store = make_store(active)
+        expiry = None
         if isinstance(store, FileStore):
             app.state.search_index, app.state.search_ready = await exchange_routes.open_index(store)
+            if active.conversation_ttl_days:
+                app.state.expiry_pass = asyncio.get_running_loop().create_future()
+                expiry = asyncio.create_task(expire_untouched(store, active.conversation_ttl_days,
+                                                              app.state.expiry_pass))
         else:
-            await store.ping()
+            await store.ping()  # Redis expires conversations itself (a TTL on their keys)
         attachments = Attachments(active.data_dir / "attachments",
                                   Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages))
         attachments.sweep()
@@ -73,6 +97,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             try:
                 yield
             finally:
+                if expiry is not None:
+                    expiry.cancel()
                 await store.flush()
                 attachments.close()
                 if (index := getattr(app.state, "search_index", None)) is not None:

@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
@@ -536,6 +537,22 @@ class FileStore:
                 await asyncio.wait([tail])  # a write already running lands first, then the file goes
             path.unlink(missing_ok=True)
             shutil.rmtree(self._earlier_dir(conv_id), ignore_errors=True)
+
+    async def expire(self, days: float, now: datetime | None = None) -> list[str]:
+        """CONVERSATION_TTL_DAYS: delete the conversations nobody touched for `days`; their ids."""
+        cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=days)
+        removed = []
+        for conv in self.load_all():
+            try:
+                updated = datetime.fromisoformat(conv["updated_at"])
+            except ValueError:
+                continue  # an unreadable date is not a reason to delete anything
+            if updated.tzinfo is None:
+                updated = updated.replace(tzinfo=timezone.utc)
+            if updated < cutoff and conv["id"] not in self._turn_locks:
+                await self.remove(conv["id"], conv["owner"])
+                removed.append(conv["id"])
+        return removed
 
     def load_all(self) -> list[dict]:
         """Every readable conversation, whoever owns it; damaged or foreign files are logged and skipped."""

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis as sync_redis
 
-from redis_store import RECHECK, RedisStore, StoreUnavailable, expire_old
+from redis_store import RECHECK, RedisStore, StoreUnavailable
 from redis_support import RedisServer, redis_server, unique_prefix  # noqa: F401  (a fixture)
 from storage import FileStore, LockLost, NotFound, TurnBusy, new_id
 from test_store_contract import append, conversation, message
@@ -213,16 +213,6 @@ async def test_conversations_expire_after_inactivity(redis_server):
         await mine.get(old["id"])
     r.close()
     await store.close()
-
-
-async def test_expire_old_on_the_file_store(tmp_path):
-    files = FileStore(tmp_path / "data")
-    mine = files.for_owner("local")
-    old = await mine.create(conversation(updated_at="2020-01-01T00:00:00.000Z"))
-    recent = await mine.create(conversation())
-    assert await expire_old(files, 30) == [old["id"]]
-    assert [e["id"] for e in await mine.list()] == [recent["id"]]
-    assert not (files.conversations_dir / f"{old['id']}.json").exists()
 
 
 async def test_redis_restart_mid_run(tmp_path):

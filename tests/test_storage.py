@@ -317,3 +317,25 @@ async def test_folding_sealed_messages_into_the_archive_reads_back_whole(long_co
     file = on_disk(files, conv_id)
     referenced = {s["file"] for s in file.get("earlier_archive", []) + file.get("earlier_messages", [])}
     assert referenced == earlier_files(files, conv_id) and file["earlier_archive"]
+
+
+async def test_conversations_untouched_for_the_ttl_are_deleted_by_the_running_server(tmp_path, sim):
+    """CONVERSATION_TTL_DAYS: the server deletes what nobody touched that long, at start and then hourly."""
+    from config import Settings
+    from support import serve
+
+    files = FileStore(tmp_path / "data")
+    mine = files.for_owner(LOCAL_OWNER)
+    old = await mine.create({"id": new_id(), "model": "m", "settings": {}, "updated_at": "2020-01-01T00:00:00.000Z"})
+    recent = await mine.create({"id": new_id(), "model": "m", "settings": {}})
+    await files.flush()
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        conversation_ttl_days=30)
+
+    async with serve(settings) as (app, client):
+        await asyncio.wait_for(app.state.expiry_pass, 10)
+        listing = (await client.get("/api/conversations")).json()
+        gone = await client.get(f"/api/conversations/{old['id']}")
+
+    assert [c["id"] for c in listing] == [recent["id"]] and gone.status_code == 404
+    assert not (files.conversations_dir / f"{old['id']}.json").exists()
