@@ -14,7 +14,7 @@ import logging
 from typing import Annotated, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 import exchange
@@ -48,7 +48,10 @@ async def open_index(files: FileStore) -> tuple[SearchIndex, asyncio.Task]:
 
 async def get_search_index(request: Request) -> SearchIndex:
     """The app's index, once it has caught up with the store."""
-    return await asyncio.shield(request.app.state.search_ready)
+    ready = getattr(request.app.state, "search_ready", None)
+    if ready is None:
+        raise HTTPException(501, "search is not available with STORE=redis yet (it indexes the file store)")
+    return await asyncio.shield(ready)
 
 
 IndexDep = Annotated[SearchIndex, Depends(get_search_index)]

@@ -32,7 +32,7 @@ from events import (
     accumulate,
 )
 from failures import StreamRedactor, UpstreamError, classify_exception, redact_value
-from storage import NotFound, OwnerStore, TurnLock, new_id, now_iso
+from storage import NotFound, OwnerStore, StoreUnavailable, TurnLock, new_id, now_iso
 from upstream import chat
 from upstream import messages as web_tools
 from upstream.client import Gateway
@@ -40,6 +40,8 @@ from upstream.client import Gateway
 log = logging.getLogger("chat.turns")
 
 NEW_TITLE = "New conversation"
+# How long a turn that ended while the store was down keeps trying to release its lock.
+UNLOCK_RETRY_SECONDS = 60
 
 
 class NothingToAnswer(Exception):
@@ -160,6 +162,7 @@ class Turns:
     def __init__(self, settings: Settings, gateway: Gateway) -> None:
         self.settings = settings
         self.gateway = gateway
+        self._unlocking: set[asyncio.Future] = set()  # releases waiting for the store to come back
         # Models that must get plain-text content: configured, or learned from a refusal of the layout.
         self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
 
@@ -352,6 +355,12 @@ class Turns:
             draft = turn.user_message["content"] if turn.user_message is not None else None
             yield TurnFailed("storage", f"The conversation could not be saved ({exc}); nothing was kept.",
                              True, None, False, draft)
+        except StoreUnavailable as exc:
+            log.error("turn on %s could not reach the store: %s", turn.conv_id, exc)
+            if not turn.settled:
+                turn.outcome = Outcome.DISCARDED
+            yield TurnFailed("storage", f"{exc}; this reply could not be saved. Try again once it is back.",
+                             True, None, turn.reply.has_output)
         except Exception as exc:  # a bug or an unexpected fault must still end the stream cleanly
             log.exception("turn on %s failed", turn.conv_id)
             yield await self._fail(turn, classify_exception(exc))
@@ -359,8 +368,12 @@ class Turns:
             # Stop and closed tabs land here (cancellation or aclose): keep what arrived. Shielded,
             # because a cancelled task would otherwise be cancelled again at the save's first await.
             with anyio.CancelScope(shield=True):
-                await self._save(turn, "interrupted")
-                await turn.store.unlock_turn(turn.lock)
+                try:
+                    await self._save(turn, "interrupted")
+                    await turn.store.unlock_turn(turn.lock)
+                except StoreUnavailable as exc:  # the person was already told; free the conversation later
+                    log.warning("turn on %s ended while the store was unreachable: %s", turn.conv_id, exc)
+                    self._unlocking.add(asyncio.ensure_future(self._unlock_when_back(turn)))
 
     def _learned_plain_text(self, turn: Turn, conv: dict, failure: UpstreamError) -> bool:
         """A server that refused the layered system blocks as malformed: send plain text from now on.
@@ -374,6 +387,22 @@ class Turns:
         log.warning("%s refused the layered system prompt; sending it plain text from now on (no cache markers)",
                     turn.model)
         return True
+
+    async def _unlock_when_back(self, turn: Turn) -> None:
+        """Release a turn's lock once the store answers again, rather than leave the conversation
+        busy until the lock expires (bounded by UNLOCK_RETRY_SECONDS: by then it has expired)."""
+        deadline = asyncio.get_running_loop().time() + UNLOCK_RETRY_SECONDS
+        delay = 0.1
+        try:
+            while asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(delay)
+                try:
+                    await turn.store.unlock_turn(turn.lock)
+                    return
+                except StoreUnavailable:
+                    delay = min(delay * 2, 2.0)
+        finally:
+            self._unlocking.discard(asyncio.current_task())
 
     @staticmethod
     def _warn(reply: Reply, code: str, message: str) -> TurnWarning:

@@ -4,7 +4,9 @@ continues; a turn running on one is 409 on the other; ownership holds the same o
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -44,6 +46,8 @@ def test_a_conversation_made_on_one_server_is_listed_read_and_continued_on_the_o
                                        json={"content": "hello B"}, timeout=10).text
     stored = httpx.get(f"{a.base_url}/api/conversations/{conv['id']}").json()
     assert [m["content"] for m in stored["messages"]] == ["hello A", "Made on A.", "hello B", "Continued on B."]
+    search = httpx.get(f"{a.base_url}/api/search", params={"q": "hello"})
+    assert search.status_code == 501 and "STORE=redis" in search.json()["detail"]
 
 
 def test_a_turn_running_on_one_server_is_409_on_the_other(pair, sim):
@@ -101,3 +105,68 @@ def test_ownership_holds_the_same_on_both_servers(tmp_path, sim, redis_server): 
     finally:
         a.stop()
         b.stop()
+
+
+def test_while_redis_is_down_requests_answer_503_naming_it_and_it_recovers_without_a_restart(tmp_path, sim):
+    from redis_support import RedisServer
+
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    (tmp_path / "a").mkdir()
+    server = LiveServer(tmp_path / "a" / "data", {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
+                                                  "REDIS_URL": redis.url})
+    try:
+        conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
+        sim.enqueue(Script(steps=[steps.Text("Kept.")]))
+        httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages", json={"content": "keep me"})
+
+        redis.stop(signal.SIGKILL)
+        down = httpx.get(f"{server.base_url}/api/conversations", timeout=20)
+        turn = httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages",
+                          json={"content": "now?"}, timeout=20)
+        redis.start()
+        back = httpx.get(f"{server.base_url}/api/conversations/{conv['id']}", timeout=20)
+    finally:
+        server.stop()
+        redis.stop()
+
+    assert down.status_code == 503 and "Redis" in down.json()["detail"]
+    assert turn.status_code == 503 and "Redis" in turn.json()["detail"]
+    assert back.status_code == 200
+    assert [m["content"] for m in back.json()["messages"]] == ["keep me", "Kept."], "nothing acknowledged was lost"
+
+
+def test_a_turn_running_when_redis_goes_away_ends_with_a_clear_error(tmp_path, sim):
+    from redis_support import RedisServer
+
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    (tmp_path / "a").mkdir()
+    server = LiveServer(tmp_path / "a" / "data", {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
+                                                  "REDIS_URL": redis.url})
+    try:
+        conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
+        sim.enqueue(Script(steps=[steps.Text("Half "), steps.Sleep(1.0), steps.Text("and the rest.")]))
+        text = ""
+        with httpx.stream("POST", f"{server.base_url}/api/conversations/{conv['id']}/messages",
+                          json={"content": "go"}, timeout=30) as response:
+            for chunk in response.iter_text():
+                text += chunk
+                if "event: delta" in text and redis.process is not None:
+                    redis.stop(signal.SIGKILL)
+        redis.start()
+        deadline = time.monotonic() + 10  # the turn releases its lock as soon as Redis answers again
+        while httpx.get(f"{server.base_url}/api/conversations/{conv['id']}").json()["streaming"]:
+            assert time.monotonic() < deadline, "the conversation stayed busy after Redis came back"
+            time.sleep(0.1)
+        sim.enqueue(Script(steps=[steps.Text("Back.")]))
+        again = httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages",
+                           json={"content": "again"}, timeout=30).text
+    finally:
+        server.stop()
+        redis.stop()
+
+    assert parse_sse(text), text
+    name, error = parse_sse(text)[-1]
+    assert name == "error" and error["kind"] == "storage" and "Redis" in error["message"]
+    assert parse_sse(again)[-1][0] == "done"
