@@ -20,7 +20,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from attachments import (
-    AttachmentError, Attachments, Limits, Scope, TooLarge, content_disposition, conversation_scope,
+    AttachmentError, Attachments, Scope, TooLarge, content_disposition, conversation_scope,
     library_scope, public,
 )
 from deps import OwnerDep, OwnerStoreDep

@@ -107,6 +107,8 @@ class Settings(BaseSettings):
     store: Literal["files", "redis"] = "files"
     redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
     conversation_ttl_days: float | None = Field(None, gt=0)
+    # STORE=redis: a turn lock its process stopped renewing (it died) frees the conversation this soon.
+    turn_lock_seconds: float = Field(30.0, ge=0.3)
 
     auth: Literal["none", "password", "header"] = "none"
     auth_header: str = "X-Forwarded-User"

@@ -56,7 +56,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from failures import redact_json
-from storage import (LOCAL_OWNER, SEALED_LISTS, SEGMENT_MESSAGES, Change, FileStore, LockLost, NotFound,
+from storage import (SEALED_LISTS, SEGMENT_MESSAGES, Change, LockLost, NotFound,
                      StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, summary_of, upgrade,
                      valid_id)
 
@@ -643,6 +643,8 @@ class RedisOwnerStore:
     def __init__(self, store: RedisStore, owner: str) -> None:
         self.store = store
         self.owner = owner
+        # A running turn renews its lock three times per expiry, so one slow renewal never loses it.
+        self.lock_renew_seconds = store.lock_ttl_ms / 3000
 
     async def create(self, conv: dict) -> dict:
         conv = upgrade({**conv, "owner": self.owner})

@@ -285,6 +285,12 @@ class OwnerStore(Protocol):
     async def lock_turn(self, conv_id: str) -> TurnLock:
         """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
 
+    lock_renew_seconds: float | None
+    """How often a running turn must renew its lock (`renew_turn`); None: locks never expire."""
+
+    async def renew_turn(self, lock: TurnLock) -> bool:
+        """Keep a claim alive; False when it is no longer current (it expired and another took it)."""
+
     async def unlock_turn(self, lock: TurnLock) -> None:
         """Release a claim (a no-op when it is no longer current)."""
 
@@ -591,6 +597,8 @@ class FileStore:
 class FileOwnerStore:
     """One owner's view of a FileStore: every read and write checks the owner first."""
 
+    lock_renew_seconds = None  # one process: a lock lives exactly as long as its turn
+
     def __init__(self, files: FileStore, owner: str) -> None:
         self.files = files
         self.owner = owner
@@ -656,6 +664,9 @@ class FileOwnerStore:
         lock = TurnLock(self.owner, conv_id)
         self.files._turn_locks[conv_id] = lock
         return lock
+
+    async def renew_turn(self, lock: TurnLock) -> bool:
+        return self.files._turn_locks.get(lock.conv_id) is lock
 
     async def unlock_turn(self, lock: TurnLock) -> None:
         if self.files._turn_locks.get(lock.conv_id) is lock:

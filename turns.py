@@ -102,6 +102,7 @@ class Turn:
     # Set once the request went upstream: from then on a stopped reply was billed, text or not.
     requested: bool = False
     redactor: Redactor = field(default_factory=Redactor)
+    keeper: asyncio.Future | None = None  # renews the lock of a store whose locks expire (Redis)
     masked: int | None = None  # items of personal data masked in the person's message, when masking is on
     # Our own count of the prompt, the floor under the measured one; counted on a worker thread
     # (tiktoken lets go of the GIL), because the first count of a long conversation takes
@@ -195,12 +196,28 @@ class Turns:
         except BaseException:
             await store.unlock_turn(lock)
             raise
+        if store.lock_renew_seconds is not None:
+            turn.keeper = asyncio.ensure_future(self._keep_lock(turn, store.lock_renew_seconds))
         return turn
+
+    @staticmethod
+    async def _keep_lock(turn: Turn, every: float) -> None:
+        """Renew the turn's lock while it runs; a process that dies stops renewing, and the lock frees."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                if not await turn.store.renew_turn(turn.lock):
+                    log.warning("turn on %s lost its lock; its writes will be refused", turn.conv_id)
+                    return
+            except StoreUnavailable:
+                continue  # the turn itself reports the store; the lock lasts a while yet
 
     async def release(self, turn: Turn) -> None:
         """Give the conversation back; a turn whose stream never ran stores nothing."""
         if not turn.settled:
             turn.outcome = Outcome.ABANDONED
+        if turn.keeper is not None:
+            turn.keeper.cancel()
         with anyio.CancelScope(shield=True):
             await turn.store.unlock_turn(turn.lock)
 
@@ -368,6 +385,8 @@ class Turns:
             # Stop and closed tabs land here (cancellation or aclose): keep what arrived. Shielded,
             # because a cancelled task would otherwise be cancelled again at the save's first await.
             with anyio.CancelScope(shield=True):
+                if turn.keeper is not None:
+                    turn.keeper.cancel()
                 try:
                     await self._save(turn, "interrupted")
                     await turn.store.unlock_turn(turn.lock)

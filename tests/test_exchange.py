@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
-from fastapi import FastAPI
 
 import exchange
-import exchange_routes
 from exchange import Unreadable, current_path, parse_import, siblings
 from simulator import Script, Usage, steps
 

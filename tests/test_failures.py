@@ -11,8 +11,7 @@ from failures import (
     keep_secret, parse_duration, redact_json, redact_value, retry_after_seconds,
 )
 from simulator import GatewaySimulator, Script, errors, steps
-from config import Settings
-from support import Api, names, serve
+from support import names
 
 KEY = "sk-or-v1-0123456789abcdef0123456789abcdef"
 
@@ -122,24 +121,6 @@ def test_every_rate_limited_error_has_a_retry_after_even_from_a_stream():
 
 
 # --- Malformed requests ---------------------------------------------------------------------
-
-async def test_llamacpp_rejecting_list_system_content_is_not_retryable_and_readable(tmp_path):
-    async with GatewaySimulator(string_system_only=True) as local:
-        settings = Settings(_env_file=None, gateway_base_url=local.base_url, data_dir=tmp_path / "data")
-        async with serve(settings) as (_, client):
-            api = Api(client)
-            conv = await api.new()
-            await api.patch(conv["id"], settings={"web_search": False, "web_fetch": False})
-
-            events = await api.send(conv["id"], "hello")
-
-        [request] = local.requests
-    assert request.status == 500 and not isinstance(request.body["messages"][0]["content"], str)
-    error = events[-1][1]
-    assert error["kind"] == "upstream" and error["retryable"] is False
-    assert len(error["message"]) <= MESSAGE_LIMIT and "\n" not in error["message"]
-    assert error["message"].startswith("The gateway rejected the request as malformed (HTTP 500)")
-
 
 def test_llamacpp_dump_is_marked_malformed_and_cut():
     script = errors.llamacpp_validation_500({"messages": [

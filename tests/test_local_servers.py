@@ -71,3 +71,5 @@ async def test_a_second_refusal_is_shown_readable_and_not_retryable(tmp_path):
     assert names(events) == ["start", "error"]
     error = events[-1][1]
     assert error["retryable"] is False and len(error["message"]) <= 300 and error["draft"] == "hi"
+    assert error["message"].startswith("The gateway rejected the request as malformed (HTTP 500)")
+    assert "\n" not in error["message"]

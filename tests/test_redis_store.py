@@ -12,7 +12,7 @@ import redis as sync_redis
 
 from redis_store import RECHECK, RedisStore, StoreUnavailable
 from redis_support import RedisServer, redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import FileStore, LockLost, NotFound, TurnBusy, new_id
+from storage import LockLost, NotFound, TurnBusy, new_id
 from test_store_contract import append, conversation, message
 
 

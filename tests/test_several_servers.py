@@ -170,3 +170,31 @@ def test_a_turn_running_when_redis_goes_away_ends_with_a_clear_error(tmp_path, s
     name, error = parse_sse(text)[-1]
     assert name == "error" and error["kind"] == "storage" and "Redis" in error["message"]
     assert parse_sse(again)[-1][0] == "done"
+
+
+def test_a_turn_longer_than_the_lock_expiry_keeps_its_lock_by_renewing_it(tmp_path, sim, redis_server):  # noqa: F811
+    env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis", "TURN_LOCK_SECONDS": "0.6",
+           "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    a, b = LiveServer(tmp_path / "a" / "data", env), LiveServer(tmp_path / "b" / "data", env)
+    try:
+        conv = httpx.post(f"{a.base_url}/api/conversations", json={}).json()
+        sim.enqueue(Script(steps=[steps.Text("Slow ")] + [steps.Sleep(0.4), steps.Text("and ")] * 5
+                           + [steps.Text("done.")]))
+        busy, text = [], ""
+        with httpx.stream("POST", f"{a.base_url}/api/conversations/{conv['id']}/messages",
+                          json={"content": "take longer than the lock"}, timeout=30) as response:
+            for chunk in response.iter_text():
+                text += chunk
+                if text.count("event: delta") >= 3 and not busy:  # past one lock expiry by now
+                    busy.append(httpx.post(f"{b.base_url}/api/conversations/{conv['id']}/messages",
+                                           json={"content": "mine now?"}).status_code)
+        stored = httpx.get(f"{b.base_url}/api/conversations/{conv['id']}").json()
+    finally:
+        a.stop()
+        b.stop()
+
+    assert busy == [409]
+    assert parse_sse(text)[-1][0] == "done"
+    assert stored["messages"][-1]["content"] == "Slow and and and and and done."
