@@ -93,12 +93,12 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
         return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
     ids = []
     for conv in imported:
-        created = await store.create(stored_conversation(conv, state))
+        created = await store.create(stored_conversation(conv, state, store.owner))
         ids.append(created["id"])
     return JSONResponse({"imported": ids}, status_code=201)
 
 
-def stored_conversation(conv: exchange.ImportedConversation, state) -> dict:
+def stored_conversation(conv: exchange.ImportedConversation, state, owner: str) -> dict:
     """A new stored conversation from an imported tree (the branch fields are the coordinator's to settle)."""
     from routes.conversations import default_settings
 
@@ -106,7 +106,7 @@ def stored_conversation(conv: exchange.ImportedConversation, state) -> dict:
     return {
         "id": new_id(), "title": conv["title"], "model": conv["model"] or state.settings.default_model,
         "created_at": conv["created_at"], "updated_at": now_iso(),
-        "settings": default_settings(state.settings, None),
+        "settings": default_settings(state.settings, None, owner),
         "summary": conv.get("summary", ""),
         "messages": messages, "branches": branches, "all_messages": conv["nodes"],
         "archive": [{"id": new_id(), **m} for m in conv.get("archive", [])],

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import tools
+from deps import OwnerDep
 from presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets
 
 router = APIRouter(tags=["presets"])
@@ -30,9 +31,9 @@ class PresetIn(BaseModel):
     model: str | None = Field(default=None, min_length=1, max_length=MODEL_MAX_CHARS)
 
 
-async def get_presets(request: Request) -> Presets:
-    """The presets of this app's data directory, checked against the registered tools."""
-    return Presets(request.app.state.chat.settings.data_dir, tools.registry.names())
+async def get_presets(request: Request, owner: OwnerDep) -> Presets:
+    """This person's presets (the built-in ones and their own), checked against the registered tools."""
+    return Presets(request.app.state.chat.settings.data_dir, tools.registry.names(), owner=owner)
 
 
 PresetsDep = Annotated[Presets, Depends(get_presets)]

@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 
 from config import ROOT
-from storage import atomic_write
+from storage import LOCAL_OWNER, atomic_write
 
 log = logging.getLogger("chat.presets")
 
@@ -82,10 +82,16 @@ class Preset:
 
 
 class Presets:
-    """The built-in presets plus one data directory's custom ones, checked against known tool names."""
+    """The built-in presets plus one person's custom ones, checked against known tool names.
 
-    def __init__(self, data_dir: Path, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR) -> None:
-        self.path = Path(data_dir) / CUSTOM_FILE
+    The local person's (AUTH=none) live in the data directory itself, as they always did; each
+    account's in its own folder, so nobody sees or changes another's.
+    """
+
+    def __init__(self, data_dir: Path, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR,
+                 owner: str = LOCAL_OWNER) -> None:
+        home = Path(data_dir) if owner == LOCAL_OWNER else Path(data_dir) / "users" / owner
+        self.path = home / CUSTOM_FILE
         self.tool_names = tuple(tool_names)
         self.builtin_dir = builtin_dir
 

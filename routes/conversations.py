@@ -38,9 +38,9 @@ class Conflict(Exception):
     """The request cannot run now (a turn is streaming, or there is nothing to act on)."""
 
 
-def default_settings(settings: Settings, preset_name: str | None) -> dict:
+def default_settings(settings: Settings, preset_name: str | None, owner: str) -> dict:
     """A new conversation's settings: its preset's persona and tools, web tools off unless configured on."""
-    presets = Presets(settings.data_dir, tools.registry.names())
+    presets = Presets(settings.data_dir, tools.registry.names(), owner=owner)
     try:
         preset = presets.get(preset_name or "default")
     except PresetNotFound:
@@ -89,7 +89,7 @@ async def create_conversation(state: StateDep, store: OwnerStoreDep,
         "id": new_id(), "title": NEW_TITLE,
         "model": body.model or state.settings.default_model,
         "created_at": created, "updated_at": created,
-        "settings": default_settings(state.settings, body.preset),
+        "settings": default_settings(state.settings, body.preset, store.owner),
     })
     return await conversation_out(state, store, conv, 201)
 

@@ -200,3 +200,14 @@ async def test_without_masking_nothing_is_counted_or_changed(api, sim, settings)
     assert "masked" not in events[0][1]
     assert (await api.get(conv["id"]))["messages"][0]["content"] == PERSONAL
     assert re.search(r"010-1234-5678", json.dumps(sim.requests[-1].body))
+
+
+async def test_a_persons_own_presets_are_theirs_alone(alice, bob):
+    made = await alice.post("/api/presets", json={"name": "pirate", "text": "Talk like a pirate.", "tools": []})
+    assert made.status_code == 201
+
+    assert "pirate" not in [p["name"] for p in (await bob.get("/api/presets")).json()]
+    assert (await bob.delete("/api/presets/pirate")).status_code == 404
+    assert (await bob.post("/api/conversations", json={"preset": "pirate"})).json()["settings"]["preset"] == "default"
+    assert (await alice.post("/api/conversations", json={"preset": "pirate"})).json()["settings"]["system_prompt"] \
+        == "Talk like a pirate."
