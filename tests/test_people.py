@@ -211,3 +211,22 @@ async def test_a_persons_own_presets_are_theirs_alone(alice, bob):
     assert (await bob.post("/api/conversations", json={"preset": "pirate"})).json()["settings"]["preset"] == "default"
     assert (await alice.post("/api/conversations", json={"preset": "pirate"})).json()["settings"]["system_prompt"] \
         == "Talk like a pirate."
+
+
+async def test_switching_accounts_on_gives_the_first_admin_everything_the_server_held(tmp_path, sim):
+    from support import serve
+
+    alone = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data")
+    async with serve(alone) as (_, client):
+        conv = (await client.post("/api/conversations", json={})).json()
+        await client.put("/api/memory", json={"text": "- Likes tea\n"})
+    UserFile(alone.data_dir).add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
+    UserFile(alone.data_dir).add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
+
+    async with Server(alone.model_copy(update={"auth": "password"})) as server:
+        async with server.client() as alice, server.client(peer="192.0.2.9") as bob:
+            await log_in(alice, "alice", A_PASSWORD)
+            await log_in(bob, "bob", B_PASSWORD)
+            assert [c["id"] for c in (await alice.get("/api/conversations")).json()] == [conv["id"]]
+            assert (await alice.get("/api/memory")).json()["text"] == "- Likes tea\n"
+            assert (await bob.get("/api/conversations")).json() == []
