@@ -7,7 +7,8 @@ from argon2 import PasswordHasher
 from playwright.sync_api import expect
 
 from auth import UserFile
-from pagekit import Server
+from pagekit import Server, assistant_messages, exchange
+from simulator import Script, steps
 
 # Cheap to make; the server verifies with the parameters the hash carries, then upgrades it.
 FAST = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
@@ -61,5 +62,31 @@ def test_log_in_see_who_is_logged_in_log_out(browser, accounts_server):
         sign_in(page, "bob", "bob's other secret")
         expect(page.get_by_test_id("account-name")).to_have_text("bob")
         assert errors == []
+    finally:
+        context.close()
+
+
+def test_b_does_not_see_a_s_conversations(browser, accounts_server, gateway):
+    """Logged in after A on the same browser, B lists none of A's conversations and cannot open one."""
+    gateway.reset()
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(accounts_server.base_url)
+        sign_in(page, "alice", "alice's long secret")
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        gateway.enqueue(Script(steps=[steps.Text("Noted, Alice.")]))
+        exchange(page, "alice's private question about her leave")
+        expect(assistant_messages(page).last).to_contain_text("Noted, Alice.")
+        alice_id = page.evaluate("decodeURIComponent(location.hash.slice(1))")
+
+        page.get_by_role("button", name="Log out").click()
+        sign_in(page, "bob", "bob's other secret")
+        expect(page.get_by_test_id("account-name")).to_have_text("bob")
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        expect(page.get_by_test_id("conversation-list")).not_to_contain_text("leave")
+        expect(page.locator("#messages")).not_to_contain_text("alice's private question")
+        status = page.evaluate("id => fetch('/api/conversations/' + id).then(r => r.status)", alice_id)
+        assert status == 404
     finally:
         context.close()
