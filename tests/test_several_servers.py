@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from auth import UserFile
-from redis_support import redis_server  # noqa: F401  (the fixture)
+from redis_support import RedisServer, redis_server  # noqa: F401  (the fixture)
 from simulator import Script, steps
 from support import LiveServer, parse_sse
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
@@ -107,28 +107,31 @@ def test_ownership_holds_the_same_on_both_servers(tmp_path, sim, redis_server): 
         b.stop()
 
 
-def test_while_redis_is_down_requests_answer_503_naming_it_and_it_recovers_without_a_restart(tmp_path, sim):
-    from redis_support import RedisServer
-
+@pytest.fixture
+def own_redis(tmp_path, sim):
+    """A server on a Redis of its own, which the test may kill and start again."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     (tmp_path / "a").mkdir()
     server = LiveServer(tmp_path / "a" / "data", {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
                                                   "REDIS_URL": redis.url})
-    try:
-        conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
-        sim.enqueue(Script(steps=[steps.Text("Kept.")]))
-        httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages", json={"content": "keep me"})
+    yield redis, server
+    server.stop()
+    redis.stop()
 
-        redis.stop(signal.SIGKILL)
-        down = httpx.get(f"{server.base_url}/api/conversations", timeout=20)
-        turn = httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages",
-                          json={"content": "now?"}, timeout=20)
-        redis.start()
-        back = httpx.get(f"{server.base_url}/api/conversations/{conv['id']}", timeout=20)
-    finally:
-        server.stop()
-        redis.stop()
+
+def test_while_redis_is_down_requests_answer_503_naming_it_and_it_recovers_without_a_restart(own_redis, sim):
+    redis, server = own_redis
+    conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
+    sim.enqueue(Script(steps=[steps.Text("Kept.")]))
+    httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages", json={"content": "keep me"})
+
+    redis.stop(signal.SIGKILL)
+    down = httpx.get(f"{server.base_url}/api/conversations", timeout=20)
+    turn = httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages",
+                      json={"content": "now?"}, timeout=20)
+    redis.start()
+    back = httpx.get(f"{server.base_url}/api/conversations/{conv['id']}", timeout=20)
 
     assert down.status_code == 503 and "Redis" in down.json()["detail"]
     assert turn.status_code == 503 and "Redis" in turn.json()["detail"]
@@ -136,35 +139,25 @@ def test_while_redis_is_down_requests_answer_503_naming_it_and_it_recovers_witho
     assert [m["content"] for m in back.json()["messages"]] == ["keep me", "Kept."], "nothing acknowledged was lost"
 
 
-def test_a_turn_running_when_redis_goes_away_ends_with_a_clear_error(tmp_path, sim):
-    from redis_support import RedisServer
-
-    redis = RedisServer(tmp_path / "redis")
+def test_a_turn_running_when_redis_goes_away_ends_with_a_clear_error(own_redis, sim):
+    redis, server = own_redis
+    conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
+    sim.enqueue(Script(steps=[steps.Text("Half "), steps.Sleep(1.0), steps.Text("and the rest.")]))
+    text = ""
+    with httpx.stream("POST", f"{server.base_url}/api/conversations/{conv['id']}/messages",
+                      json={"content": "go"}, timeout=30) as response:
+        for chunk in response.iter_text():
+            text += chunk
+            if "event: delta" in text and redis.process is not None:
+                redis.stop(signal.SIGKILL)
     redis.start()
-    (tmp_path / "a").mkdir()
-    server = LiveServer(tmp_path / "a" / "data", {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
-                                                  "REDIS_URL": redis.url})
-    try:
-        conv = httpx.post(f"{server.base_url}/api/conversations", json={}).json()
-        sim.enqueue(Script(steps=[steps.Text("Half "), steps.Sleep(1.0), steps.Text("and the rest.")]))
-        text = ""
-        with httpx.stream("POST", f"{server.base_url}/api/conversations/{conv['id']}/messages",
-                          json={"content": "go"}, timeout=30) as response:
-            for chunk in response.iter_text():
-                text += chunk
-                if "event: delta" in text and redis.process is not None:
-                    redis.stop(signal.SIGKILL)
-        redis.start()
-        deadline = time.monotonic() + 10  # the turn releases its lock as soon as Redis answers again
-        while httpx.get(f"{server.base_url}/api/conversations/{conv['id']}").json()["streaming"]:
-            assert time.monotonic() < deadline, "the conversation stayed busy after Redis came back"
-            time.sleep(0.1)
-        sim.enqueue(Script(steps=[steps.Text("Back.")]))
-        again = httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages",
-                           json={"content": "again"}, timeout=30).text
-    finally:
-        server.stop()
-        redis.stop()
+    deadline = time.monotonic() + 10  # the turn releases its lock as soon as Redis answers again
+    while httpx.get(f"{server.base_url}/api/conversations/{conv['id']}").json()["streaming"]:
+        assert time.monotonic() < deadline, "the conversation stayed busy after Redis came back"
+        time.sleep(0.1)
+    sim.enqueue(Script(steps=[steps.Text("Back.")]))
+    again = httpx.post(f"{server.base_url}/api/conversations/{conv['id']}/messages",
+                       json={"content": "again"}, timeout=30).text
 
     assert parse_sse(text), text
     name, error = parse_sse(text)[-1]
