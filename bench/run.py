@@ -54,7 +54,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 import gateway  # noqa: E402  (bench/ is on sys.path as the script's directory)
-from storage import SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
+from storage import LOCAL_OWNER, SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
 
 PY = sys.executable
 LITELLM_VENV = BENCH / ".venv-litellm"
@@ -543,7 +543,7 @@ def write_history(data_dir: Path, template: dict, n: int) -> tuple[str, float]:
         prompt += len(messages[-1]["content"]) // 4 + 4
     conv_id = new_id()
     totals = {**empty_totals(), "turns": n // 2}
-    conv = {"schema_version": SCHEMA_VERSION, "id": conv_id, "title": f"History of {n} messages",
+    conv = {"schema_version": SCHEMA_VERSION, "id": conv_id, "owner": LOCAL_OWNER, "title": f"History of {n} messages",
             "model": template["model"], "created_at": now_iso(), "updated_at": now_iso(),
             "settings": {**template["settings"], "context_budget": 10_000_000}, "summary": "",
             "messages": messages, "last_prompt_tokens": prompt, "totals": totals}
