@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     keep_recent_messages: int = Field(8, ge=2)
     max_completion_tokens: int = Field(4096, gt=0)
     summary_max_tokens: int = Field(2048, gt=0)
+    # After a conversation's first reply, one small SUMMARIZER_MODEL call names it.
+    auto_title: bool = True
     cache_ttl: Literal["5m", "1h"] = "5m"
     cache_history_breakpoint: bool = True
 
