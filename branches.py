@@ -51,7 +51,11 @@ def linked(items: list[dict]) -> Iterator[tuple[dict, str | None]]:
 
 def last_node_id(conv: dict) -> str | None:
     """The leaf of the current path (None for an empty conversation)."""
-    return next((m["id"] for m in reversed(path_items(conv)) if is_node(m)), None)
+    for items in (conv["messages"], conv.get("archive") or []):
+        for m in reversed(items):
+            if is_node(m):
+                return m["id"]
+    return None
 
 
 def parents(conv: dict) -> dict[str, str | None]:

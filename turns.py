@@ -165,8 +165,9 @@ class Turns:
                 turn = Turn(store, lock, conv["model"], None, parent_id=question, previous_leaf=previous)
                 change = functools.partial(_set_answers_aside, question=question)
             else:
-                parent = previous if parent_id is LEAF else parent_id
-                if parent not in branches.user_parents(conv):
+                edit = parent_id is not LEAF and parent_id != previous
+                parent = parent_id if edit else previous
+                if edit and parent not in branches.user_parents(conv):
                     raise NotAnAnswerPoint(parent)
                 user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso(),
                         "parent_id": parent}
@@ -174,7 +175,7 @@ class Turns:
                 def change(c: dict) -> None:
                     if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
                         c["title"] = title_from(content)
-                    if parent != branches.last_node_id(c):
+                    if edit:
                         branches.switch(c, parent, descend=False)
                     c["messages"].append(user)
 

@@ -134,6 +134,20 @@ async def test_a_send_from_a_point_that_is_not_an_answer_point_is_422_and_change
     assert first_answer["id"] not in {m["id"] for m in rooted["messages"]}
 
 
+async def test_an_edit_that_fails_before_any_output_puts_the_old_branch_back(api, client, sim, conv):
+    cid = conv["id"]
+    await talk(api, sim, cid, 3)
+    before = await api.get(cid)
+    sim.enqueue(errors.server_error_502())
+
+    response = await send_from(client, cid, before["messages"][1]["id"], "question 2, edited")
+
+    events = parse_sse(response.text)
+    assert events[-1][0] == "error" and events[-1][1]["draft"] == "question 2, edited"
+    after = await api.get(cid)
+    assert after["messages"] == before["messages"] and after["branches"] == {}
+
+
 # --- Regenerate ------------------------------------------------------------------------------------
 
 async def test_regenerate_keeps_every_answer_as_a_sibling(api, client, sim, conv):
