@@ -180,9 +180,10 @@ def searchable(message: dict) -> tuple[str, str] | None:
 
 
 def conversation_rows(conv: dict) -> list[tuple[str, str]]:
-    """Every searchable message of a conversation: its current messages and its folded archive."""
+    """Every searchable message of a conversation: its current messages, its folded archive and its
+    other branches (`off_path`: a hit there is opened with the branch route)."""
     rows = []
-    for name in ("messages", "archive"):
+    for name in ("messages", "archive", "off_path"):
         for message in conv.get(name) or ():
             if (row := searchable(message)) is not None:
                 rows.append(row)

@@ -148,6 +148,22 @@ async def test_an_edit_that_fails_before_any_output_puts_the_old_branch_back(api
     assert after["messages"] == before["messages"] and after["branches"] == {}
 
 
+async def test_search_finds_a_word_on_a_branch_that_is_not_current(api, client, sim, conv):
+    cid = conv["id"]
+    sim.enqueue(reply("answer about zanzibar"))
+    await api.send(cid, "tell me about zanzibar")
+    first = await api.get(cid)
+    sim.enqueue(reply("answer about madagascar"))
+    await send_from(client, cid, None, "tell me about madagascar")
+
+    hits = (await client.get("/api/search", params={"q": "zanzibar"})).json()
+
+    found = [h["message_id"] for h in hits if h["message_id"] is not None]  # (a title hit has none)
+    assert found and set(found) <= {m["id"] for m in first["messages"]}
+    opened = await switch(client, cid, found[0])
+    assert "zanzibar" in texts(opened)[0]
+
+
 # --- Regenerate ------------------------------------------------------------------------------------
 
 async def test_regenerate_keeps_every_answer_as_a_sibling(api, client, sim, conv):
