@@ -80,6 +80,10 @@ async def conversation_out(state, store: OwnerStore, conv: dict, status_code: in
         out["archive"] = path[:folded]
     out["messages"] = path[folded:]
     out["branches"] = branches.siblings(conv)
+    # A store that holds documents from before version 4 without upgrading them on read (Redis).
+    out.setdefault("pinned", False)
+    out.setdefault("archived", False)
+    out.setdefault("title_source", "auto")
     out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings)
     out["streaming"] = await store.turn_locked(conv["id"])
     return json_answer(out, status_code)
