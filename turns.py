@@ -145,6 +145,7 @@ class Turns:
         self.gateway = gateway
         # Work that follows a turn (its title), kept so it is not collected mid-flight and can be awaited.
         self.background: set[asyncio.Task] = set()
+        self._naming: set[str] = set()  # conversations whose title call is under way
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
                     parent_id: str | None | object = LEAF) -> Turn:
@@ -197,9 +198,17 @@ class Turns:
 
     def name_soon(self, store: OwnerStore, conv_id: str) -> None:
         """Title the conversation in the background (after the reply was delivered: it never delays one)."""
+        if conv_id in self._naming:
+            return  # a quick second reply must not ask for a second title
+        self._naming.add(conv_id)
         task = asyncio.create_task(self.name(store, conv_id))
         self.background.add(task)
-        task.add_done_callback(self.background.discard)
+
+        def finished(done: asyncio.Task) -> None:
+            self.background.discard(done)
+            self._naming.discard(conv_id)
+
+        task.add_done_callback(finished)
 
     async def idle(self) -> None:
         """Wait for the background work started so far (tests, shutdown)."""
