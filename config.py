@@ -79,6 +79,8 @@ class Settings(BaseSettings):
     summary_max_tokens: int = Field(2048, gt=0)
     # New conversations ask before a compression's facts reach memory.md (they can come from fetched pages).
     approve_facts: bool = False
+    # After a conversation's first reply, one small SUMMARIZER_MODEL call names it.
+    auto_title: bool = True
     cache_ttl: Literal["5m", "1h"] = "5m"
     cache_history_breakpoint: bool = True
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import tiktoken
 
+import branches
 from config import ROOT, Settings
 from failures import UpstreamError, classify_finish
 from storage import new_id, now_iso
@@ -466,6 +467,8 @@ class Compression:
         conv["messages"] = messages[:at] + [notice] + messages[at:]
         if not self.failed:
             conv["summary"] = self.summary
+        # Where this fold ends and the summary it left, so a branch switch can go back to it.
+        branches.record_fold(conv)
         # The measured prompt held what just left; until the next reply is measured, estimate.
         conv["last_prompt_tokens"] = None
 

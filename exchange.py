@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 import orjson
 
+import branches
 from storage import new_id, now_iso
 
 FORMAT = "chat-server-export"
@@ -57,7 +58,10 @@ class ImportedConversation(TypedDict):
     model: str | None
     nodes: list[Node]
     current: str | None  # None only when no message could be kept
-    # Only from this server's own export: what compression had folded, and its summary.
+    # Only from this server's own export: what compression had folded (`folded`: ids of nodes, a
+    # prefix of the current path; `archive`: an older export's folded messages, outside the tree)
+    # and its summary.
+    folded: NotRequired[list[str]]
     archive: NotRequired[list[dict]]
     summary: NotRequired[str]
 
@@ -87,15 +91,18 @@ def siblings(nodes: list[dict]) -> dict[str, list[str]]:
 
 
 def to_tree(conv: dict, all_messages: list[dict] | None = None) -> tuple[list[dict], str | None]:
-    """A stored conversation as (nodes, current leaf id).
+    """A conversation as (nodes, current leaf id): every branch, folded messages included.
 
-    `all_messages` holds every branch's messages (parents before children) once the store keeps
-    branches; without it, `conv["messages"]` is the one path. A message without `parent_id`
-    follows the message before it.
+    Without `all_messages` the stored tree is read (`branches`: the path in `archive` +
+    `messages`, the rest in `off_path`); with it, those messages are the tree. A message
+    without `parent_id` follows the message before it.
     """
-    messages = all_messages if all_messages is not None else conv.get("messages", [])
+    if all_messages is None:
+        nodes = [{**m, "parent_id": parent} for m, parent in branches.linked(branches.path_items(conv))]
+        nodes += [dict(m) for m in conv.get("off_path") or []]
+        return nodes, branches.last_node_id(conv)
     nodes, previous = [], None
-    for m in messages:
+    for m in all_messages:
         parent = m["parent_id"] if "parent_id" in m else previous
         nodes.append({**m, "parent_id": parent})
         previous = m["id"]
@@ -257,12 +264,16 @@ class Raw(TypedDict):
     model: str | None
 
 
-def build_tree(raw: dict[str, Raw], order: dict[str, list[str]], current: str | None) -> tuple[list[Node], str | None]:
-    """Kept nodes with fresh ids, parents first; `order` lists children as the source did."""
+def build_tree(raw: dict[str, Raw], order: dict[str, list[str]], current: str | None,
+               fresh: dict[str, str] | None = None) -> tuple[list[Node], str | None]:
+    """Kept nodes with fresh ids, parents first; `order` lists children as the source did.
+
+    `fresh`, when given, is filled with {source id: new id}."""
     if len(raw) > MAX_NODES:
         raise Unreadable(f"over {MAX_NODES} messages")
     check_acyclic(raw)
-    fresh = {old: new_id() for old, node in raw.items() if node["role"] is not None}
+    fresh = {} if fresh is None else fresh
+    fresh.update({old: new_id() for old, node in raw.items() if node["role"] is not None})
 
     def kept_ancestor(old: str | None) -> str | None:  # check_acyclic made this walk finite
         while old is not None and raw[old]["role"] is None:
@@ -487,17 +498,23 @@ def from_own(item: dict) -> ImportedConversation:
                         "created_at": n.get("created_at") if isinstance(n.get("created_at"), str) else created,
                         "model": _str(n.get("model")) if role == "assistant" else None}
     order = {None: [n["id"] for n in nodes]}  # the file lists parents before children, siblings in order
-    tree, leaf = build_tree(raw, order, _str(item.get("current")))
-    archive = [
+    fresh: dict[str, str] = {}
+    tree, leaf = build_tree(raw, order, _str(item.get("current")), fresh)
+    archived = [m for m in item.get("archive") or [] if isinstance(m, dict)]
+    # An export that lists its folded messages among the nodes too says which they were by id;
+    # an older one holds them only in `archive`, outside the tree.
+    folded = [fresh[m["id"]] for m in archived if isinstance(m.get("id"), str) and m["id"] in fresh]
+    archive = [] if folded else [
         {k: m[k] for k in ("role", "content", "created_at", "model") if k in m}
-        for m in item.get("archive") or [] if isinstance(m, dict) and m.get("role") in ROLES
-        and isinstance(m.get("content"), str)
+        for m in archived if m.get("role") in ROLES and isinstance(m.get("content"), str)
     ]
     out: ImportedConversation = {
         "title": clean_title(item.get("title")), "created_at": created,
         "updated_at": item.get("updated_at") if isinstance(item.get("updated_at"), str) else created,
         "model": _str(item.get("model")), "nodes": tree, "current": leaf,
     }
+    if folded:
+        out["folded"] = folded
     if archive:
         out["archive"] = archive
     if isinstance(item.get("summary"), str) and item["summary"]:

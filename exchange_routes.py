@@ -99,15 +99,34 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
 
 
 def stored_conversation(conv: exchange.ImportedConversation, state, owner: str) -> dict:
-    """A new stored conversation from an imported tree (the branch fields are the coordinator's to settle)."""
+    """A new stored conversation from an imported tree, in the store's branch model (branches.py):
+    the current path in `archive` (what the export said compression had folded) and `messages`,
+    every other branch in `off_path`."""
     from routes.conversations import default_settings
 
-    messages, branches = exchange.from_tree(conv["nodes"], conv["current"])
+    nodes = [dict(n) for n in conv["nodes"]]
+    path = exchange.current_path(nodes, conv["current"])
+    folded = set(conv.get("folded", []))
+    cut = next((i for i, n in enumerate(path) if n["id"] not in folded), len(path))
+    archive, messages = path[:cut], path[cut:]
+    if conv.get("archive"):
+        # An older export's folded messages: the path before the tree's first message.
+        archive, previous = [], None
+        for m in conv["archive"]:
+            archive.append({"id": new_id(), **m, "parent_id": previous})
+            previous = archive[-1]["id"]
+        for n in nodes:
+            if n["parent_id"] is None:
+                n["parent_id"] = previous
+    on_path = {n["id"] for n in path}
+    summary = conv.get("summary", "")
     return {
-        "id": new_id(), "title": conv["title"], "model": conv["model"] or state.settings.default_model,
+        "id": new_id(), "title": conv["title"], "title_source": "imported",
+        "model": conv["model"] or state.settings.default_model,
         "created_at": conv["created_at"], "updated_at": now_iso(),
         "settings": default_settings(state.settings, None, owner),
-        "summary": conv.get("summary", ""),
-        "messages": messages, "branches": branches, "all_messages": conv["nodes"],
-        "archive": [{"id": new_id(), **m} for m in conv.get("archive", [])],
+        "summary": summary,
+        "messages": messages, "archive": archive,
+        "off_path": [n for n in nodes if n["id"] not in on_path],
+        "folds": [{"through": archive[-1]["id"], "summary": summary}] if archive else [],
     }

@@ -60,6 +60,8 @@ class Message(TypedDict):
     role: Literal["user", "assistant", "notice"]
     content: str
     created_at: str
+    # The message before it on its path (None for the first); a notice's is the message it follows.
+    parent_id: str | None
     model: NotRequired[str]
     status: NotRequired[Literal["complete", "interrupted"]]
     activity: NotRequired[list[ActivityStep]]
@@ -81,6 +83,8 @@ class Totals(TypedDict):
     turns: int
     compression_cost: float
     compression_calls: int
+    title_cost: float
+    title_calls: int
 
 
 class ContextBar(TypedDict):
@@ -107,6 +111,11 @@ class Conversation(TypedDict):
     totals: Totals
     context: ContextBar
     streaming: bool
+    # {message id: [it and its siblings, in creation order]} for every message with siblings.
+    branches: dict[str, list[str]]
+    pinned: bool
+    archived: bool
+    title_source: Literal["auto", "model", "user", "imported"]
 
 
 class ConversationEntry(TypedDict):
@@ -117,6 +126,8 @@ class ConversationEntry(TypedDict):
     message_count: int
     last_message_at: str
     streaming: bool
+    pinned: bool
+    archived: bool
 
 
 class ModelEntry(TypedDict):
@@ -207,11 +218,15 @@ class ConversationPatch(Strict):
     title: StrictStr | None = Field(None, min_length=1, max_length=200)
     model: ModelId | None = None
     settings: SettingsPatch | None = None
+    pinned: StrictBool | None = None
+    archived: StrictBool | None = None
 
 
 class MessageCreate(Strict):
     # The pattern (some non-space character) tells OpenAPI clients what `_not_blank` checks.
     content: StrictStr = Field(json_schema_extra={"pattern": r"\S"})
+    # Answer from this point of the current path (edit and resend); absent: after its last message.
+    parent_id: StrictStr | None = Field(None, max_length=64)
 
     @field_validator("content")
     @classmethod
@@ -230,6 +245,10 @@ class FactsReview(Strict):
 
     notice_id: StrictStr = Field(min_length=1, max_length=64)
     keep: list[Annotated[StrictStr, Field(min_length=1, max_length=500)]] = Field(max_length=50)
+
+
+class BranchSwitch(Strict):
+    message_id: StrictStr = Field(min_length=1, max_length=64)
 
 
 class ModelCreate(Strict):

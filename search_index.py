@@ -180,9 +180,10 @@ def searchable(message: dict) -> tuple[str, str] | None:
 
 
 def conversation_rows(conv: dict) -> list[tuple[str, str]]:
-    """Every searchable message of a conversation: its current messages and its folded archive."""
+    """Every searchable message of a conversation: its current messages, its folded archive and its
+    other branches (`off_path`: a hit there is opened with the branch route)."""
     rows = []
-    for name in ("messages", "archive"):
+    for name in ("messages", "archive", "off_path"):
         for message in conv.get(name) or ():
             if (row := searchable(message)) is not None:
                 rows.append(row)
@@ -239,6 +240,7 @@ class SearchIndex:
         self._local = threading.local()
         self._write_conn: sqlite3.Connection | None = None
         self._closed = False
+        self._last_write: asyncio.Future | None = None  # a search waits for it: it reads its writes
 
     # Connections -----------------------------------------------------------------------------
 
@@ -270,6 +272,7 @@ class SearchIndex:
         """Queue a write now (so writes keep the order of the calls); await the result or not."""
         future = asyncio.get_running_loop().run_in_executor(self._writer, self._transaction, fn, *args)
         future.add_done_callback(_log_failure)
+        self._last_write = future
         return future
 
     def _transaction(self, fn, *args):
@@ -322,6 +325,9 @@ class SearchIndex:
         query = Query.parse(q)
         if not query.terms or limit <= 0:
             return []
+        if self._last_write is not None and not self._last_write.done():
+            # A change made before this search (an edit, a rename) is found by it; writes run in order.
+            await asyncio.wait([self._last_write])
         return await asyncio.get_running_loop().run_in_executor(self._readers, self._search, owner, query, limit)
 
     def _search(self, owner: str, query: Query, limit: int) -> list[dict]:

@@ -1124,6 +1124,8 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
     """The honest canned reply for an unscripted request."""
     messages = body.get("messages", [])
     if not body.get("stream"):
+        if (title := _demo_title(messages)) is not None:
+            return Script([Text(title)])
         return Script([Text(orjson.dumps({"summary": _demo_summary(messages), "facts": []}).decode())])
     reply: list[Step] = []
     if body.get("model") in reasoning_models:
@@ -1225,6 +1227,20 @@ def _demo_after_tools(results: list[tuple[str, str]]) -> str:
              "looked at them.", ""]
     lines += [f"- `{name}` returned: `{_snippet(text, 120)}`" for name, text in results]
     return "\n".join(lines) + "\n\n"
+
+
+# How the server's title request opens (titles.OPENING); the demo answers it with a plain title.
+TITLE_REQUEST = "Title this conversation"
+
+
+def _demo_title(messages: list) -> str | None:
+    """For a title request: the opening words of the person's first message, marked as simulated."""
+    text = "\n".join(_text_of(m.get("content")) for m in messages if isinstance(m, dict))
+    if not text.startswith(TITLE_REQUEST):
+        return None
+    question = next((line for role, line in _TRANSCRIPT_LINE.findall(text) if role.lower() == "user"), "")
+    words = question.split()[:5]
+    return "Simulated: " + (" ".join(words) if words else "a conversation")
 
 
 def _demo_summary(messages: list) -> str:

@@ -51,7 +51,7 @@ from failures import redact_json
 
 log = logging.getLogger("chat.storage")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
 # The owner of everything while the server serves one person (AUTH=none).
 LOCAL_OWNER = "local"
@@ -127,6 +127,7 @@ def empty_totals() -> dict:
         "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "searches": 0, "fetches": 0,
         "cost": 0.0, "cost_unreported": 0, "turns": 0,
         "compression_cost": 0.0, "compression_calls": 0,
+        "title_cost": 0.0, "title_calls": 0,
     }
 
 
@@ -158,8 +159,28 @@ def _add_owner(conv: dict) -> dict:
     return conv
 
 
+def _add_branches(conv: dict) -> dict:
+    """Version 4 keeps branches (`parent_id`, `off_path`, `folds`: see branches.py), pin and archive
+    flags and where the title came from. An older file is one path: each message's parent is the
+    user/assistant message before it. Where a list starts after sealed segments that are not read
+    here, the parent stays implicit (that same rule, applied when it is read)."""
+    if not conv.get("earlier_messages") and not conv.get("earlier_archive"):
+        previous = None
+        for m in (conv.get("archive") or []) + (conv.get("messages") or []):
+            if isinstance(m, dict):
+                m.setdefault("parent_id", previous)
+                if m.get("role") in ("user", "assistant") and isinstance(m.get("id"), str):
+                    previous = m["id"]
+    conv.setdefault("pinned", False)
+    conv.setdefault("archived", False)
+    conv.setdefault("title_source", "auto")
+    if isinstance(conv.get("totals"), dict):
+        conv["totals"] = {**empty_totals(), **conv["totals"]}
+    return conv
+
+
 # Upgrades in order: MIGRATIONS[n] turns a version-n file into version n+1.
-MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned, _allow_earlier_messages, _add_owner]
+MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned, _allow_earlier_messages, _add_owner, _add_branches]
 
 
 def upgrade(conv: dict) -> dict:
@@ -253,6 +274,7 @@ def summary_of(conv: dict) -> dict:
         "id": conv["id"], "title": conv["title"], "model": conv["model"], "updated_at": conv["updated_at"],
         "message_count": sum(1 for m in messages if m["role"] != "notice"),
         "last_message_at": last or conv["created_at"],
+        "pinned": bool(conv.get("pinned")), "archived": bool(conv.get("archived")),
     }
 
 

@@ -18,14 +18,17 @@ import contextlib
 import dataclasses
 import datetime as dt
 import enum
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 
+import branches
 import context
 import pii
+import titles
 from config import Settings
 from events import (
     Compressed, Event, ReasoningDelta, Reply, TextDelta, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning,
@@ -46,6 +49,14 @@ UNLOCK_RETRY_SECONDS = 60
 
 class NothingToAnswer(Exception):
     """Regenerate on a conversation with no user message to answer."""
+
+
+class NotAnAnswerPoint(Exception):
+    """A send's `parent_id` is neither the current path's leaf nor the parent of a message the person typed on it."""
+
+
+# `begin`'s parent when none is given: the leaf of the current path (a plain send).
+LEAF = object()
 
 
 class OpeningFailed(Exception):
@@ -111,6 +122,10 @@ class Turn:
     # The opening write (the person's message, or the answers cleared to regenerate), left running
     # while the prompt is assembled and sent; awaited before the first upstream event is passed on.
     opening: asyncio.Future | None = None
+    # The message the reply answers (its `parent_id`), and the path's leaf before the turn began,
+    # so a turn that fails before any output puts the path back where it was.
+    parent_id: str | None = None
+    previous_leaf: str | None = None
 
     @property
     def conv_id(self) -> str:
@@ -166,32 +181,48 @@ class Turns:
         self._unlocking: set[asyncio.Future] = set()  # releases waiting for the store to come back
         # Models that must get plain-text content: configured, or learned from a refusal of the layout.
         self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
+        # Work that follows a turn (its title), kept so it is not collected mid-flight and can be awaited.
+        self.background: set[asyncio.Task] = set()
+        self._naming: set[str] = set()  # conversations whose title call is under way
 
-    async def begin(self, store: OwnerStore, conv_id: str, content: str | None) -> Turn:
-        """Claim the conversation and add the person's message (or clear the answer to regenerate).
+    async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
+                    parent_id: str | None | object = LEAF) -> Turn:
+        """Claim the conversation and add the person's message (or set the answers aside to regenerate).
 
-        The change is visible at once; its write runs while `run` sends the request upstream.
+        `parent_id` (a send): answer from that point of the current path, the old branch kept
+        (edit and resend); NotAnAnswerPoint when it is not one (`branches.user_parents`). The
+        change is visible at once; its write runs while `run` sends the request upstream.
         """
         lock = await store.lock_turn(conv_id)
         try:
             conv = await store.get(conv_id)
+            previous = branches.last_node_id(conv)
             if content is None:
-                if not any(m["role"] == "user" for m in conv["messages"]):
+                question = next((m["id"] for m in reversed(conv["messages"]) if m["role"] == "user"), None)
+                if question is None:
                     raise NothingToAnswer(conv_id)
-                turn = Turn(store, lock, conv["model"], None)
-                change = _drop_trailing_answers
+                turn = Turn(store, lock, conv["model"], None, parent_id=question, previous_leaf=previous)
+                change = functools.partial(_set_answers_aside, question=question)
             else:
+                edit = parent_id is not LEAF and parent_id != previous
+                parent = parent_id if edit else previous
+                if edit and parent not in branches.user_parents(conv):
+                    raise NotAnAnswerPoint(parent)
                 masked = None
                 if self.settings.pii_masking == "on":
                     content, masked = pii.mask(content)
-                user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
+                user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso(),
+                        "parent_id": parent}
 
                 def change(c: dict) -> None:
-                    if not any(m["role"] == "user" for m in c["messages"]):
+                    if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
                         c["title"] = title_from(content)
+                    if edit:
+                        branches.switch(c, parent, descend=False)
                     c["messages"].append(user)
 
-                turn = Turn(store, lock, conv["model"], user, masked=masked)
+                turn = Turn(store, lock, conv["model"], user, parent_id=user["id"], previous_leaf=previous,
+                            masked=masked)
             _, turn.opening = await store.update_soon(conv_id, change, lock=lock)
         except BaseException:
             await store.unlock_turn(lock)
@@ -220,6 +251,74 @@ class Turns:
             turn.keeper.cancel()
         with anyio.CancelScope(shield=True):
             await turn.store.unlock_turn(turn.lock)
+        if turn.outcome is Outcome.SAVED and self.settings.auto_title:
+            self.name_soon(turn.store, turn.conv_id)
+
+    def name_soon(self, store: OwnerStore, conv_id: str) -> None:
+        """Title the conversation in the background (after the reply was delivered: it never delays one)."""
+        if conv_id in self._naming:
+            return  # a quick second reply must not ask for a second title
+        self._naming.add(conv_id)
+        task = asyncio.create_task(self.name(store, conv_id))
+        self.background.add(task)
+
+        def finished(done: asyncio.Task) -> None:
+            self.background.discard(done)
+            self._naming.discard(conv_id)
+
+        task.add_done_callback(finished)
+
+    async def idle(self) -> None:
+        """Wait for the background work started so far (tests, shutdown)."""
+        while self.background:
+            await asyncio.wait(list(self.background))
+
+    async def name(self, store: OwnerStore, conv_id: str) -> None:
+        """After the first reply: a short title from SUMMARIZER_MODEL, unless the person named it.
+
+        Tried once per conversation; a failed call keeps the first-line title. Its cost is the
+        conversation's, counted apart as `title_cost` / `title_calls` (like compression's).
+        """
+        try:
+            conv = await store.get(conv_id)
+            if conv.get("title_source", "auto") != "auto" or conv["totals"].get("title_calls"):
+                return
+            path = branches.path_items(conv)
+            question = next((m for m in path if m["role"] == "user"), None)
+            reply = next((m for m in path if m["role"] == "assistant" and (m.get("content") or "").strip()), None)
+            if question is None or reply is None:
+                return
+            request = titles.request(question["content"], reply["content"])
+            usage = title = None
+            try:
+                text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS)
+                usage = context.normalize_usage(raw, sent_floor=context.count_tokens(request), output_text=text or "")
+                title = titles.parse(text, finish)
+            except UpstreamError as exc:
+                log.info("titling %s failed: %s", conv_id, exc.message)
+
+            def save(c: dict) -> None:
+                totals = c["totals"]
+                totals["title_calls"] = totals.get("title_calls", 0) + 1
+                if usage is not None:
+                    add_usage(totals, usage)
+                    totals["title_cost"] = round(totals.get("title_cost", 0.0) + (usage["cost"] or 0), 10)
+                if title is not None and c.get("title_source", "auto") == "auto":  # not renamed meanwhile
+                    c["title"] = title
+                    c["title_source"] = "model"
+
+            await store.update(conv_id, save)
+        except NotFound:
+            return
+        except Exception:  # a title is a nicety: it must never surface as a failure
+            log.exception("titling %s failed", conv_id)
+
+    async def _ask_summarizer(self, messages: list[dict], max_tokens: int) -> tuple[str, str, dict | None]:
+        """One non-streamed call to SUMMARIZER_MODEL."""
+        model = self.settings.summarizer_model
+        body = chat.build_body(model, [], messages, max_tokens=max_tokens,
+                               params=self.settings.params_for(model), stream=False)
+        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
 
     async def _opened(self, turn: Turn) -> None:
         """Wait for the opening write; if it failed, nothing of this turn may be stored."""
@@ -474,19 +573,23 @@ class Turns:
             await self._save(turn, "interrupted", error=failure.kind)
         elif not turn.settled:
             turn.outcome = Outcome.ROLLED_BACK
+            await self._roll_back(turn)
             if turn.user_message is not None:
-                await self._roll_back(turn)
                 draft = turn.user_message["content"]
         log.info("turn on %s ended with %s: %s", turn.conv_id, failure.kind, failure.message)
         return failed(failure, partial=partial, draft=draft)
 
     async def _roll_back(self, turn: Turn) -> None:
-        """Take the person's message back out, so sending the draft again does not duplicate it."""
-        message_id = turn.user_message["id"]
+        """Take the person's message back out, so sending the draft again does not duplicate it,
+        and put the path back where it was (an edit's old branch, a regenerated answer)."""
+        message_id = turn.user_message["id"] if turn.user_message is not None else None
 
         def remove(c: dict) -> None:
             c["messages"] = [m for m in c["messages"] if m["id"] != message_id]
-            if not any(m["role"] == "user" for m in c["messages"]):
+            if turn.previous_leaf != branches.last_node_id(c):
+                with contextlib.suppress(branches.UnknownMessage):
+                    branches.switch(c, turn.previous_leaf, descend=False)
+            if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
                 c["title"] = NEW_TITLE
 
         with contextlib.suppress(NotFound):
@@ -511,7 +614,7 @@ class Turns:
         usage["searches"] = max(usage["searches"], reply.searches)
         usage["fetches"] = max(usage["fetches"], reply.fetches)
         message = {
-            "id": turn.assistant_id, "role": "assistant", "content": reply.text,
+            "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
             "created_at": now_iso(), "model": turn.model, "status": status,
             "activity": reply.activity, "citations": reply.citations, "usage": usage,
         }
@@ -535,8 +638,7 @@ class Turns:
         return usage
 
 
-def _drop_trailing_answers(conv: dict) -> None:
-    """Regenerate: everything after the last user message goes (interrupted replies too)."""
-    messages = conv["messages"]
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    conv["messages"] = messages[: last_user + 1]
+def _set_answers_aside(conv: dict, *, question: str) -> None:
+    """Regenerate: the answers after the last user message (interrupted ones too) become the new
+    answer's siblings, kept off the current path."""
+    branches.switch(conv, question, descend=False)

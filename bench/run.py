@@ -895,6 +895,12 @@ def write_markdown(results: dict, labels: dict[str, str], overhead: dict, sustai
     if cache_keys:
         lines += ["", "## Prompt cache (from `bench/cache_bench.py`)", "", "| key | value |", "|---|---|"]
         lines += [f"| `{k}` | {fmt(results[k])} |" for k in cache_keys]
+    search_keys = [k for k in results if k.startswith(("search_", "index_"))]
+    if search_keys:
+        lines += ["", "## Search (from `bench/search_bench.py`)", "",
+                  "Targets: `search_p50_ms` < 50 over 1,000 conversations / 100,000 messages; "
+                  "`index_update_p50_ms` (a turn's save) < 2.", "", "| key | value |", "|---|---|"]
+        lines += [f"| `{k}` | {fmt(results[k])} |" for k in search_keys]
     lines += ["", f"Idle server RSS before load: {fmt(m.get('rss_mb_idle'))} MB. All keys: `bench/results.json`.", ""]
     generated = "\n".join(lines)
     path = BENCH / "RESULTS.md"
@@ -927,13 +933,36 @@ def run_cache_bench(log) -> dict:
     return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
 
 
+# The search benchmark's keys as results.json names them (its own file keeps its names).
+SEARCH_KEYS = {"build_s": "search_index_build_s", "index_mb": "search_index_mb",
+               "queries_with_hits": "search_queries_with_hits", "conversations": "search_conversations",
+               "messages": "search_messages"}
+
+
+def run_search_bench(log) -> dict:
+    """The search index over 1,000 conversations / 100,000 messages (`bench/search_bench.py`):
+    `search_p50_ms` and the time a turn's save spends updating the index (`index_update_p50_ms`)."""
+    script = BENCH / "search_bench.py"
+    log("search benchmark (bench/search_bench.py)")
+    try:
+        done = subprocess.run([PY, str(script)], cwd=ROOT, timeout=900, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            log(f"  search_bench.py exited with {done.returncode}")
+            return {"search_error": f"search_bench.py exited with {done.returncode}"}
+    except subprocess.TimeoutExpired:
+        log("  search_bench.py ran over 900 s and was stopped")
+        return {"search_error": "search_bench.py ran over 900 s"}
+    data = json.loads((BENCH / "results_search.json").read_text())
+    return {SEARCH_KEYS.get(k, k): v for k, v in data.items() if not isinstance(v, (dict, list))}
+
+
 # --- Main --------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
-    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache"],
+    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache", "search"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1037,6 +1066,8 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
     if "cache" not in args.skip:
         results.update(run_cache_bench(log))
+    if "search" not in args.skip:
+        results.update(run_search_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")

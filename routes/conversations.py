@@ -6,22 +6,25 @@ NotFound here exactly like an unknown id.
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 import orjson
 from fastapi.responses import JSONResponse, Response
 
+import branches
 import context
 import tools
 from config import ROOT, Settings
 from deps import OwnerStoreDep, StateDep
 from presets import PresetNotFound, Presets
 from schemas import (
-    Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, FactsReview, Message,
-    MessageCreate,
+    BranchSwitch, Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, FactsReview,
+    Message, MessageCreate,
 )
 from storage import OwnerStore, TurnBusy, new_id, now_iso
 from streaming import TurnResponse
-from turns import NEW_TITLE, NothingToAnswer, Turn
+from turns import LEAF, NEW_TITLE, NotAnAnswerPoint, NothingToAnswer, Turn
 
 router = APIRouter(prefix="/api/conversations", tags=["conversations"])
 
@@ -60,8 +63,29 @@ def default_settings(settings: Settings, preset_name: str | None, owner: str) ->
     }
 
 
+# Stored, never answered: the other branches (reachable through `branches`) and the fold records.
+PRIVATE_FIELDS = ("schema_version", "owner", "off_path", "folds")
+
+
+def with_parents(messages: list[dict]) -> list[dict]:
+    """The path's messages, each with its `parent_id` (older files leave it implicit)."""
+    if all("parent_id" in m for m in messages):
+        return messages
+    return [m if "parent_id" in m else {**m, "parent_id": parent} for m, parent in branches.linked(messages)]
+
+
 async def conversation_out(state, store: OwnerStore, conv: dict, status_code: int = 200) -> Response:
-    out = {k: v for k, v in conv.items() if k not in ("schema_version", "owner")}
+    out = {k: v for k, v in conv.items() if k not in PRIVATE_FIELDS}
+    path = with_parents(branches.path_items(conv))
+    folded = len(conv.get("archive") or [])
+    if "archive" in conv:
+        out["archive"] = path[:folded]
+    out["messages"] = path[folded:]
+    out["branches"] = branches.siblings(conv)
+    # A store that holds documents from before version 4 without upgrading them on read (Redis).
+    out.setdefault("pinned", False)
+    out.setdefault("archived", False)
+    out.setdefault("title_source", "auto")
     out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings)
     out["streaming"] = await store.turn_locked(conv["id"])
     return json_answer(out, status_code)
@@ -72,9 +96,12 @@ def turn_response(state, turn: Turn) -> TurnResponse:
 
 
 @router.get("", response_model=list[ConversationEntry])
-async def list_conversations(store: OwnerStoreDep) -> Response:
-    """Most recent conversation first, by its last message (a rename or a settings change does not move it)."""
-    entries = sorted(await store.list(), key=lambda c: c["last_message_at"], reverse=True)
+async def list_conversations(store: OwnerStoreDep, archived: Annotated[bool, Query()] = False) -> Response:
+    """Pinned conversations first, then the most recent by its last message (a rename or a settings
+    change does not move it). Archived ones only, and only they, with `?archived=true`."""
+    entries = [c for c in await store.list() if c.get("archived", False) == archived]
+    entries.sort(key=lambda c: c["last_message_at"], reverse=True)
+    entries.sort(key=lambda c: not c.get("pinned", False))  # stable: each group stays newest first
     for entry in entries:
         entry["streaming"] = await store.turn_locked(entry["id"])
     return json_answer(entries)
@@ -110,8 +137,13 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
                             status_code=422)
 
     def apply(conv: dict) -> None:
-        if body.title is not None:
-            conv["title"] = body.title.strip() or conv["title"]
+        if body.title is not None and body.title.strip():
+            conv["title"] = body.title.strip()
+            conv["title_source"] = "user"  # a name the person chose is never replaced by a generated one
+        if body.pinned is not None:
+            conv["pinned"] = body.pinned
+        if body.archived is not None:
+            conv["archived"] = body.archived
         if body.model is not None:
             conv["model"] = body.model
         if body.settings is not None:
@@ -132,7 +164,13 @@ async def send_message(conv_id: str, body: MessageCreate, state: StateDep, store
     if len(body.content) > state.settings.max_message_chars:
         return JSONResponse(
             {"detail": f"the message is over {state.settings.max_message_chars} characters"}, status_code=422)
-    return turn_response(state, await state.turns.begin(store, conv_id, body.content))
+    parent = body.parent_id if "parent_id" in body.model_fields_set else LEAF
+    try:
+        turn = await state.turns.begin(store, conv_id, body.content, parent)
+    except NotAnAnswerPoint:
+        return JSONResponse({"detail": "parent_id: not a point of the current path to answer from (the path's "
+                                       "last message, or the message before one you typed)"}, status_code=422)
+    return turn_response(state, turn)
 
 
 @router.post("/{conv_id}/regenerate",
@@ -145,23 +183,41 @@ async def regenerate(conv_id: str, state: StateDep, store: OwnerStoreDep, body: 
     return turn_response(state, turn)
 
 
+@router.post("/{conv_id}/branch", response_model=Conversation)
+async def switch_branch(conv_id: str, body: BranchSwitch, state: StateDep, store: OwnerStoreDep) -> Response:
+    """Make the path through `message_id` current, following the most recent child below it."""
+    lock = await store.lock_turn(conv_id)  # TurnBusy (409) while a turn runs
+    try:
+        conv = await store.get(conv_id)
+        if not any(m["id"] == body.message_id and branches.is_node(m)
+                   for m in branches.path_items(conv) + (conv.get("off_path") or [])):
+            return JSONResponse({"detail": "no such message in this conversation"}, status_code=404)
+        conv = await store.update(conv_id, lambda c: branches.switch(c, body.message_id, descend=True), lock=lock)
+    finally:
+        await store.unlock_turn(lock)
+    return await conversation_out(state, store, conv)
+
+
 @router.post("/{conv_id}/rewind", response_model=Draft)
 async def rewind(conv_id: str, store: OwnerStoreDep, body: Empty | None = None) -> dict:
+    """Take back the last message the person typed and everything after it (its other answers too):
+    dropped, not kept as a branch; its earlier siblings stay."""
     if await store.turn_locked(conv_id):
         raise TurnBusy(conv_id)
     conv = await store.get(conv_id)
-    users = [i for i, m in enumerate(conv["messages"]) if m["role"] == "user"]
-    if not users:
+    last = next((m for m in reversed(conv["messages"]) if m["role"] == "user"), None)
+    if last is None:
         raise Conflict("there is no message to take back")
-    content = conv["messages"][users[-1]]["content"]
 
     def cut(c: dict) -> None:
-        c["messages"] = c["messages"][: users[-1]]
-        if len(users) == 1:
+        at = next(i for i, m in enumerate(c["messages"]) if m["id"] == last["id"])
+        gone = branches.subtree(c, last["id"]) | {m["id"] for m in c["messages"][at:]}
+        branches.drop(c, gone)
+        if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
             c["title"] = NEW_TITLE
 
     await store.update(conv_id, cut)
-    return {"content": content}
+    return {"content": last["content"]}
 
 
 @router.post("/{conv_id}/compress")

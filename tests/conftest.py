@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -9,6 +11,10 @@ from config import Settings
 from server import create_app
 from simulator import GatewaySimulator
 from support import Api, LiveServer
+
+# Titles off in every test (and every server a test starts): the title call after a first reply
+# would take a reply a test queued for its next turn. tests/test_branches.py turns them on.
+os.environ["AUTO_TITLE"] = "false"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -260,8 +260,12 @@ async def test_export_json_of_a_real_conversation_imports_back_as_its_path(api, 
     (entry,) = envelope["conversations"]
     assert [m["id"] for m in entry["archive"]] == [m["id"] for m in conv["archive"]]
     (imported,) = parse_import(response.content)
-    assert path_texts(imported) == [(m["role"], m["content"]) for m in conv["messages"] if m["role"] != "notice"]
-    assert [m["content"] for m in imported["archive"]] == [m["content"] for m in conv["archive"]]
+    # The whole path is in the tree, folded messages included; `folded` says which were folded.
+    path = conv["archive"] + conv["messages"]
+    assert path_texts(imported) == [(m["role"], m["content"]) for m in path if m["role"] != "notice"]
+    by_id = {n["id"]: n for n in imported["nodes"]}
+    assert [by_id[i]["content"] for i in imported["folded"]] == [
+        m["content"] for m in conv["archive"] if m["role"] != "notice"]
     assert imported["summary"] == "Seoul trip."
 
 

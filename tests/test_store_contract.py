@@ -11,7 +11,7 @@ import pytest
 
 from redis_store import RedisStore
 from redis_support import redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import FileStore, LockLost, NotFound, TurnBusy, new_id, now_iso
+from storage import SCHEMA_VERSION, FileStore, LockLost, NotFound, TurnBusy, new_id, now_iso
 
 
 @pytest.fixture(params=["files", "redis"])
@@ -52,7 +52,7 @@ def append(msg: dict):
 async def test_create_get_update_delete(store):
     mine = store.for_owner("alice")
     conv = await mine.create(conversation(title="Plans"))
-    assert conv["owner"] == "alice" and conv["messages"] == [] and conv["schema_version"] == 3
+    assert conv["owner"] == "alice" and conv["messages"] == [] and conv["schema_version"] == SCHEMA_VERSION
     first, second = message("안녕하세요"), message("hello", "assistant")
     await mine.update(conv["id"], append(first))
     updated = await mine.update(conv["id"], append(second))
@@ -143,7 +143,8 @@ async def test_list_is_the_owners_own_with_update_times(store):
     assert [e["title"] for e in newest_first] == ["a1", "a2"]
     assert newest_first[0] == {"id": a1["id"], "title": "a1", "model": "m-1",
                                "updated_at": newest_first[0]["updated_at"], "message_count": 1,
-                               "last_message_at": newest_first[0]["last_message_at"]}
+                               "last_message_at": newest_first[0]["last_message_at"],
+                               "pinned": False, "archived": False}
     assert [e["id"] for e in await bob.list()] == [b1["id"]]
 
 
