@@ -61,7 +61,7 @@ class Message(TypedDict):
     content: str
     created_at: str
     # The message before it on its path (None for the first); a notice's is the message it follows.
-    parent_id: str | None
+    parent_id: NotRequired[str | None]  # notices hang from the message before them and carry none
     model: NotRequired[str]
     status: NotRequired[Literal["complete", "interrupted"]]
     activity: NotRequired[list[ActivityStep]]
