@@ -124,6 +124,7 @@ class ModelEntry(TypedDict):
     label: str
     reasoning: bool
     custom: bool
+    tool_runtime: Literal["gateway", "local", "none"]
 
 
 class TierEntry(TypedDict):
@@ -173,6 +174,9 @@ class SettingsPatch(Strict):
     web_search: StrictBool | None = None
     web_fetch: StrictBool | None = None
     tool_instructions: StrictStr | None = Field(None, max_length=10_000)
+    # The local tools this conversation enables, among its preset's (the route checks the names).
+    tools: list[Annotated[StrictStr, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=64)
+    library: StrictBool | None = None
     # The pattern only tells OpenAPI clients (and generated tests) what the validator below checks.
     compression_prompt: StrictStr | None = Field(None, max_length=50_000,
                                                  json_schema_extra={"pattern": r"\{transcript\}"})
@@ -210,6 +214,8 @@ class ConversationPatch(Strict):
 class MessageCreate(Strict):
     # The pattern (some non-space character) tells OpenAPI clients what `_not_blank` checks.
     content: StrictStr = Field(json_schema_extra={"pattern": r"\S"})
+    # Files of this conversation the message is about (the route checks they exist).
+    attachment_ids: list[Annotated[StrictStr, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=32)
 
     @field_validator("content")
     @classmethod
@@ -226,6 +232,7 @@ class Empty(Strict):
 class ModelCreate(Strict):
     id: ModelId
     tier: Tier = "balanced"
+    tool_runtime: Literal["gateway", "local", "none"] | None = None
 
 
 class Login(Strict):

@@ -18,18 +18,22 @@ import contextlib
 import datetime as dt
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
 
 import context
+import tools
+from attachments import Attachments, attachment_context, attachment_listing
 from config import Settings
 from events import (
     Compressed, Event, Reply, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning, accumulate,
 )
 from failures import UpstreamError, classify_exception
+from presets import PresetNotFound, Presets
 from storage import NotFound, OwnerStore, TurnLock, new_id, now_iso
+from toolloop import ToolLoop
 from upstream import chat
 from upstream import messages as web_tools
 from upstream.client import Gateway
@@ -37,6 +41,7 @@ from upstream.client import Gateway
 log = logging.getLogger("chat.turns")
 
 NEW_TITLE = "New conversation"
+ATTACHMENT_TOOLS = ("search_attachments", "read_attachment")
 
 
 class NothingToAnswer(Exception):
@@ -125,11 +130,16 @@ def failed(failure: UpstreamError, *, partial: bool, draft: str | None = None) -
 class Turns:
     """Runs turns against one gateway."""
 
-    def __init__(self, settings: Settings, gateway: Gateway) -> None:
+    def __init__(self, settings: Settings, gateway: Gateway, attachments: Attachments | None = None,
+                 tool_runtime: Callable[[str], Awaitable[str]] | None = None) -> None:
         self.settings = settings
         self.gateway = gateway
+        self.attachments = attachments
+        # Where a model's tools run (the lineup's `tool_runtime`, custom models included).
+        self.tool_runtime = tool_runtime
 
-    async def begin(self, store: OwnerStore, conv_id: str, content: str | None) -> Turn:
+    async def begin(self, store: OwnerStore, conv_id: str, content: str | None, *,
+                    attachment_ids: list[str] | None = None) -> Turn:
         """Claim the conversation and add the person's message (or clear the answer to regenerate).
 
         The change is visible at once; its write runs while `run` sends the request upstream.
@@ -144,6 +154,8 @@ class Turns:
                 change = _drop_trailing_answers
             else:
                 user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso()}
+                if attachment_ids:
+                    user["attachment_ids"] = list(attachment_ids)
 
                 def change(c: dict) -> None:
                     if not any(m["role"] == "user" for m in c["messages"]):
@@ -241,7 +253,8 @@ class Turns:
                 conv = await turn.store.get(turn.conv_id)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
-                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings))
+                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings),
+                                              attachments=self._attachment_listing(turn, conv))
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
                     turn.requested = True
@@ -291,12 +304,64 @@ class Turns:
         accumulate(reply, warning)
         return warning
 
-    def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
-        """Turns with web tools go to /v1/messages, the only endpoint that shows the searches."""
-        names = web_tools.enabled(conv["settings"], self.settings)
-        if names:
-            return self._tool_transport(turn, conv, prompt, names)
-        return self._chat_transport(turn, prompt)
+    def _attachment_scope(self, turn: Turn, conv: dict) -> contextlib.AbstractContextManager:
+        """Whose files the attachment tools see: this conversation's, and the library where enabled."""
+        if self.attachments is None:
+            return contextlib.nullcontext()
+        return attachment_context(self.attachments, turn.conv_id, turn.store.owner,
+                                  library=bool(conv["settings"].get("library")))
+
+    def _attachment_listing(self, turn: Turn, conv: dict) -> str:
+        with self._attachment_scope(turn, conv) as scope:
+            return attachment_listing(scope)
+
+    async def _selection(self, turn: Turn, conv: dict) -> tools.Selection:
+        """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
+        runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
+        web = web_tools.enabled(conv["settings"], self.settings)
+        preset_name = conv["settings"].get("preset") or "default"
+        try:
+            allowed = Presets(self.settings.data_dir, tools.registry.names()).get(preset_name).tools
+        except PresetNotFound:
+            allowed = ()
+        selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,
+                                       chosen=conv["settings"].get("tools"), runtime=runtime,
+                                       web_search="web_search" in web, web_fetch="web_fetch" in web)
+        if not self._attachment_listing(turn, conv):
+            # No files to search: the attachment tools would only be noise for the model to pick from.
+            selection = tools.Selection(tuple(n for n in selection.local if n not in ATTACHMENT_TOOLS),
+                                        selection.gateway)
+        return selection
+
+    async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
+        """Turns with our own tools run the tool loop; with only the gateway's web tools they go to
+        /v1/messages, the only endpoint that shows the searches; the rest are plain chat turns."""
+        selection = await self._selection(turn, conv)
+        if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
+            prompt = self._without_web_sentence(conv, prompt)
+        if selection.local:
+            loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
+                            model=turn.model, selection=selection, ctx=self._tool_context(turn),
+                            scope=lambda: self._attachment_scope(turn, conv))
+            source = loop.run(prompt)
+        elif selection.gateway:
+            source = self._tool_transport(turn, conv, prompt, list(selection.gateway))
+        else:
+            source = self._chat_transport(turn, prompt)
+        async with contextlib.aclosing(source) as events:
+            async for event in events:
+                yield event
+
+    def _tool_context(self, turn: Turn) -> tools.ToolContext:
+        return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, turn.store.write_memory,
+                                 owner=turn.store.owner)
+
+    def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
+        """Without web tools the budget sentence would promise searches the model cannot make."""
+        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
+        if not sentence:
+            return prompt
+        return context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
 
     def _chat_transport(self, turn: Turn, prompt: context.Prompt) -> AsyncIterator[Event]:
         body = chat.build_body(
@@ -319,9 +384,7 @@ class Turns:
             return
         except web_tools.ToolsRejected as rejected:
             yield rejected.warning
-        # Without tools the budget sentence would promise searches the model cannot make.
-        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
-        plain = context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
+        plain = self._without_web_sentence(conv, prompt)
         async with contextlib.aclosing(self._chat_transport(turn, plain)) as events:
             async for event in events:
                 yield event
@@ -362,6 +425,7 @@ class Turns:
             turn.outcome = Outcome.EMPTY
             return None
         turn.outcome = Outcome.SAVED
+        reply.end_running_tools()
         sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
         reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
             context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
@@ -375,6 +439,8 @@ class Turns:
         }
         if reply.warnings:
             message["warnings"] = reply.warnings
+        if reply.rounds:
+            message["rounds"] = reply.rounds
         if error:
             message["error"] = error
 
