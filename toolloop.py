@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Literal
@@ -33,6 +34,9 @@ from upstream import messages as web
 from upstream.client import Gateway
 
 Wire = Literal["chat", "messages"]
+# time.monotonic() when each round's last result was ready (the newest few hundred): the bench
+# compares it with the simulator's arrival time of the request that carried those results.
+RESULTS_READY: deque[float] = deque(maxlen=500)
 
 
 def rounds_warning(limit: int) -> TurnWarning:
@@ -51,7 +55,7 @@ def _arguments_json(arguments: str | dict) -> str:
 
 
 class ToolLoop:
-    """One turn's loop against one gateway; `marks` records when results were ready and requests went out."""
+    """One turn's loop against one gateway."""
 
     def __init__(self, gateway: Gateway, settings: Settings, *, wire: Wire, model: str,
                  selection: tools.Selection, ctx: tools.ToolContext,
@@ -65,20 +69,17 @@ class ToolLoop:
         self.ctx = ctx
         self.scope = scope
         self.registry = registry
-        # (results ready, next request sent) per round, for the bench's tool_round_added_ms.
-        self.marks: list[tuple[float, float]] = []
 
     async def run(self, prompt: Prompt) -> AsyncIterator[Event]:
         limit = self.settings.tool_rounds_max
         extra: list[dict] = []
-        ready: float | None = None
         for round_number in range(limit + 1):
             final = round_number == limit
             if final:
                 yield rounds_warning(limit)
             requested: ToolCallsRequested | None = None
             text = ""
-            async with contextlib.aclosing(self._request(prompt, extra, final, ready)) as events:
+            async with contextlib.aclosing(self._request(prompt, extra, final)) as events:
                 async for event in events:
                     if isinstance(event, ToolCallsRequested):
                         requested = event
@@ -94,7 +95,7 @@ class ToolLoop:
             async for result in self._run_calls(requested.calls):
                 results[result.call_id] = result
                 yield ToolStep(result.event(), result.citations)
-            ready = time.perf_counter()
+            RESULTS_READY.append(time.monotonic())
             ordered = [results[call.id] for call in requested.calls]
             yield ToolRound(self._round(text, requested.calls, ordered))
             extra += self._wire_round(text, requested, ordered)
@@ -111,7 +112,7 @@ class ToolLoop:
                 yield result
                 result = await anext(running, None)
 
-    def _request(self, prompt: Prompt, extra: list[dict], final: bool, ready: float | None) -> AsyncIterator[Event]:
+    def _request(self, prompt: Prompt, extra: list[dict], final: bool) -> AsyncIterator[Event]:
         choice = "none" if final else None
         messages = prompt.messages + extra
         if self.wire == "chat":
@@ -125,8 +126,6 @@ class ToolLoop:
             source = web.stream(self.gateway, model=self.model, system=prompt.system, messages=messages,
                                 tools=declared, max_tokens=self.settings.max_completion_tokens,
                                 pause_turn_max=self.settings.pause_turn_max, tool_choice=choice)
-        if ready is not None:
-            self.marks.append((ready, time.perf_counter()))
         return source
 
     @staticmethod
