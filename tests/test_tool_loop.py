@@ -304,3 +304,36 @@ def test_stop_during_a_tool_call_cancels_it_and_keeps_the_reply(tmp_path, sim):
             assert not any(m.get("tool_calls") for m in sim.requests[-1].body["messages"])
         finally:
             server.stop()
+
+
+def test_the_chat_decoder_gathers_calls_by_index_and_tells_whole_calls_apart():
+    from upstream.chat import ChatDecoder
+    from upstream.sse import SSERecord
+
+    def feed(decoder, *chunks, finish="tool_calls"):
+        for delta in chunks:
+            decoder.feed(SSERecord(event="message", data=json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})))
+        decoder.feed(SSERecord(event="message", data=json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})))
+        return decoder.end()
+
+    def piece(index, arguments, **first):
+        return {"tool_calls": [{"index": index, **({"id": first["id"]} if "id" in first else {}),
+                                "function": {**({"name": first["name"]} if "name" in first else {}),
+                                             "arguments": arguments}}]}
+
+    # Interleaved pieces of two calls by index.
+    requested, finished = feed(ChatDecoder(), piece(0, "", id="a", name="web_fetch"), piece(1, "", id="b", name="remember"),
+                               piece(0, '{"url": "htt'), piece(1, '{"fact"'), piece(0, 'p://x.example"}'),
+                               piece(1, ': "tea"}'))
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in requested.calls] == [
+        ("a", "web_fetch", {"url": "http://x.example"}), ("b", "remember", {"fact": "tea"})]
+    assert finished.reason == "tool_calls"
+    # Ollama: whole calls at index 0, with and without ids, finishing with "stop".
+    for ids in (("c1", "c2"), (None, None)):
+        first, second = ({"id": i} if i else {} for i in ids)
+        requested, _ = feed(ChatDecoder(), piece(0, '{"fact": "one"}', name="remember", **first),
+                            piece(0, '{"fact": "two"}', name="remember", **second), finish="stop")
+        assert [json.loads(c.arguments)["fact"] for c in requested.calls] == ["one", "two"]
+        assert len({c.id for c in requested.calls}) == 2
+    # A tool_calls finish without any call is just a finish.
+    assert [type(e).__name__ for e in feed(ChatDecoder(), {"content": "hi"})] == ["Finished"]

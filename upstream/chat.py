@@ -143,7 +143,9 @@ class ChatDecoder:
         elif arguments is not None and not isinstance(arguments, str):
             raise malformed("tool_calls.function.arguments is not a string")
         call = self._at_index.get(index)
-        if call is None or (call_id and call["id"] and call_id != call["id"]):
+        # A name comes only in a call's first piece, so a second name (or another id) at a used
+        # index starts a new call: Ollama's whole calls, all at index 0, some without ids.
+        if call is None or (call_id and call["id"] and call_id != call["id"]) or (name and call["name"]):
             call = {"id": call_id, "name": "", "arguments": ""}
             self._calls.append(call)
             self._at_index[index] = call
