@@ -33,8 +33,7 @@ def pages():
 @pytest.fixture
 def settings(tmp_path, sim) -> Settings:
     return Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data", upstream_timeout=5,
-                    default_tool_runtime="local", fetch_allow_hosts=["127.0.0.1"], tool_timeout=0.5,
-                    tool_rounds_max=3)
+                    default_tool_runtime="local", fetch_allow_hosts=["127.0.0.1"], tool_rounds_max=3)
 
 
 async def turn(client, conv_id: str, content: str, **extra) -> list[tuple[str, dict]]:
@@ -58,7 +57,7 @@ def after_last_user(body: dict) -> list[dict]:
 async def test_two_parallel_calls_in_pieces_run_and_go_back_in_order(api, client, app, sim, pages):
     conv = await api.new()
     await api.patch(conv["id"], settings={"web_fetch": True})
-    url = f"{pages.base_url}/tea" if hasattr(pages, "base_url") else f"http://127.0.0.1:{pages.port}/tea"
+    url = f"http://127.0.0.1:{pages.port}/tea"
     sim.enqueue(Script([steps.Text("Let me look. "),
                         steps.ToolCall("web_fetch", {"url": url}, id="call_a", chunk_chars=5),
                         steps.ToolCall("remember", {"fact": "The person drinks green tea."}, id="call_b", chunk_chars=4)]),
@@ -157,7 +156,8 @@ async def test_messages_client_tools_next_to_the_gateways_search(api, client, si
     assert stored["content"] == "About eighty degrees."
 
 
-async def test_failures_are_tool_errors_and_the_turn_completes(api, client, sim, monkeypatch, caplog):
+async def test_failures_are_tool_errors_and_the_turn_completes(api, client, app, sim, monkeypatch, caplog):
+    monkeypatch.setattr(app.state.chat.settings, "tool_timeout", 0.5)
     scratch = tools.Registry()
 
     async def boom(x: int = 1) -> str:
