@@ -69,6 +69,8 @@ class ToolLoop:
         self.ctx = ctx
         self.scope = scope
         self.registry = registry
+        # Gateway tools the gateway refused in an earlier round: not declared again.
+        self.dropped: set[str] = set()
 
     async def run(self, prompt: Prompt) -> AsyncIterator[Event]:
         limit = self.settings.tool_rounds_max
@@ -121,11 +123,13 @@ class ToolLoop:
                                    tools=self.registry.declarations(self.selection.local, "chat"), tool_choice=choice)
             source = self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
         else:
-            declared = web.declarations(list(self.selection.gateway), self.settings) + \
+            server = [n for n in self.selection.gateway if n not in self.dropped]
+            declared = web.declarations(server, self.settings) + \
                 self.registry.declarations(self.selection.local, "messages")
             source = web.stream(self.gateway, model=self.model, system=prompt.system, messages=messages,
                                 tools=declared, max_tokens=self.settings.max_completion_tokens,
-                                pause_turn_max=self.settings.pause_turn_max, tool_choice=choice)
+                                pause_turn_max=self.settings.pause_turn_max, tool_choice=choice,
+                                dropped=self.dropped)
         return source
 
     @staticmethod

@@ -337,3 +337,20 @@ def test_the_chat_decoder_gathers_calls_by_index_and_tells_whole_calls_apart():
         assert len({c.id for c in requested.calls}) == 2
     # A tool_calls finish without any call is just a finish.
     assert [type(e).__name__ for e in feed(ChatDecoder(), {"content": "hi"})] == ["Finished"]
+
+
+async def test_a_gateway_tool_refused_in_the_loop_is_not_declared_again(api, client, sim):
+    assert (await client.post("/api/models", json={"id": "vendor/gw", "tool_runtime": "gateway"})).status_code == 201
+    conv = await api.new(model="vendor/gw")
+    await api.patch(conv["id"], settings={"web_search": True})
+    refusal = Script(status=400, error_body={"type": "error", "error": {
+        "type": "invalid_request_error", "message": "web_search is not available for this organization"}})
+    sim.enqueue(refusal, Script([steps.ToolCall("remember", {"fact": "Uses a strict gateway."})]),
+                Script([steps.Text("Done.")]))
+
+    events = await turn(client, conv["id"], "remember that I use a strict gateway")
+
+    assert names(events)[-1] == "done"
+    assert [data["code"] for name, data in events if name == "warning"] == ["tool_dropped"]
+    declared = [[t["name"] for t in r.body["tools"]] for r in sim.requests]
+    assert declared == [["web_search", "remember"], ["remember"], ["remember"]]

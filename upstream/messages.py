@@ -366,7 +366,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: list[dict],
                  tools: list[dict], max_tokens: int, pause_turn_max: int,
-                 tool_choice: str | None = None) -> AsyncIterator[Event]:
+                 tool_choice: str | None = None, dropped: set[str] | None = None) -> AsyncIterator[Event]:
     """Events of one tool turn across its continuations, ending with `Finished`, or an error.
 
     When the model stops to call our own tools (`tool_use`), a `ToolCallsRequested` with the
@@ -386,13 +386,15 @@ async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: 
             first = None
         except UpstreamError as failure:
             # Only the first request may drop a tool: a continuation must resend what was run.
-            dropped = rejected_tools(failure, tools) if continuation == 0 else []
-            if not dropped:
+            rejected = rejected_tools(failure, tools) if continuation == 0 else []
+            if not rejected:
                 raise
-            tools = [t for t in tools if t not in dropped]
+            tools = [t for t in tools if t not in rejected]
+            if dropped is not None:
+                dropped.update(t["name"] for t in rejected)  # a tool loop's later rounds leave them out
             if not tools:
-                raise ToolsRejected([t["name"] for t in dropped], failure) from failure
-            yield dropped_warning([t["name"] for t in dropped], failure)
+                raise ToolsRejected([t["name"] for t in rejected], failure) from failure
+            yield dropped_warning([t["name"] for t in rejected], failure)
             body = build_body(model, system, messages, tools, max_tokens=max_tokens, tool_choice=tool_choice)
             events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
             first = None
