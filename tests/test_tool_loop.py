@@ -354,3 +354,19 @@ async def test_a_gateway_tool_refused_in_the_loop_is_not_declared_again(api, cli
     assert [data["code"] for name, data in events if name == "warning"] == ["tool_dropped"]
     declared = [[t["name"] for t in r.body["tools"]] for r in sim.requests]
     assert declared == [["web_search", "remember"], ["remember"], ["remember"]]
+
+
+async def test_malformed_tool_use_input_on_messages_is_a_tool_error_not_a_dead_turn(api, client, sim):
+    assert (await client.post("/api/models", json={"id": "vendor/gw2", "tool_runtime": "gateway"})).status_code == 201
+    conv = await api.new(model="vendor/gw2")
+    await api.patch(conv["id"], settings={"web_search": True})
+    sim.enqueue(Script([steps.ToolCall("remember", '{"fact": "half', id="toolu_bad")]),
+                Script([steps.Text("Sorry, let me answer directly.")]))
+
+    events = await turn(client, conv["id"], "note this")
+
+    assert names(events)[-1] == "done"
+    assistant, results = sim.requests[1].body["messages"][-2:]
+    assert assistant["content"][-1] == {"type": "tool_use", "id": "toolu_bad", "name": "remember", "input": {}}
+    [result] = results["content"]
+    assert result["is_error"] is True and "not valid JSON" in result["content"]
