@@ -49,6 +49,8 @@ class ModelInfo:
     tier: str
     reasoning: bool = False
     custom: bool = False
+    # Where its tools run: "gateway" (server tools on /v1/messages), "local" (our loop), "none".
+    tool_runtime: str = "gateway"
 
     @property
     def label(self) -> str:
@@ -127,6 +129,9 @@ class Settings(BaseSettings):
     fetch_allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     default_web_search: bool = False
     default_web_fetch: bool = False
+    # Per model id: "gateway" | "local" | "none"; models not named get DEFAULT_TOOL_RUNTIME.
+    tool_runtimes: Annotated[dict[str, Literal["gateway", "local", "none"]], NoDecode] = Field(default_factory=dict)
+    default_tool_runtime: Literal["gateway", "local", "none"] = "gateway"
 
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url", mode="before")
     @classmethod
@@ -149,7 +154,7 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("model_params", mode="before")
+    @field_validator("model_params", "tool_runtimes", mode="before")
     @classmethod
     def _parse_params(cls, value: object) -> object:
         if isinstance(value, str):
@@ -213,8 +218,12 @@ class Settings(BaseSettings):
             tier, sep, model_id = entry.partition(":")
             if not sep or tier not in TIERS:
                 tier, model_id = "balanced", entry
-            out.append(ModelInfo(model_id, tier, model_id in reasoning))
+            out.append(ModelInfo(model_id, tier, model_id in reasoning, tool_runtime=self.runtime_for(model_id)))
         return out
+
+    def runtime_for(self, model_id: str) -> str:
+        """Where a model's tools run when nothing more specific (a custom model's own choice) says."""
+        return self.tool_runtimes.get(model_id, self.default_tool_runtime)
 
     def params_for(self, model_id: str) -> dict:
         """Extra request parameters for one model (e.g. reasoning_effort)."""

@@ -179,9 +179,10 @@ class Prompt:
         """Our own count of everything we send, piece by piece so unchanged pieces come from cache."""
         total = sum(count_tokens(p["text"]) for p in self.system)
         for m in self.messages:
-            content = m["content"]
+            content = m["content"] or ""
             total += count_tokens(content) if isinstance(content, str) else sum(
                 count_tokens(p.get("text", "")) for p in content)
+            total += sum(count_tokens(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
         return total
 
 
@@ -202,16 +203,49 @@ def summary_block(summary: str) -> str:
 
 def is_history(message: dict) -> bool:
     """A message that goes upstream: the person's or the model's, with something in it."""
-    return message.get("role") in HISTORY_ROLES and bool((message.get("content") or "").strip())
+    return message.get("role") in HISTORY_ROLES and (
+        bool((message.get("content") or "").strip()) or bool(message.get("rounds")))
 
 
-def wire_history(messages: list[dict]) -> list[dict]:
-    """Provider-neutral history: notices and empty messages never go upstream."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages if is_history(m)]
+def expand_rounds(message: dict) -> list[dict]:
+    """An assistant reply with tool rounds as the messages the model saw: each round's call message
+    (chat shape: `tool_calls`) and its results (`role: tool`), then the final answer. Always whole:
+    a round is stored only with all its results, so no call is ever sent without them."""
+    out: list[dict] = []
+    consumed = 0
+    content = message.get("content") or ""
+    for done in message["rounds"]:
+        text = done.get("text") or ""
+        consumed += len(text)
+        out.append({"role": "assistant", "content": text or None, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in done["calls"]]})
+        out += [{"role": "tool", "tool_call_id": r["call_id"], "content": r["content"]} for r in done["results"]]
+    # The reply's text is every round's text in order, then the answer.
+    final = content[consumed:] if content.startswith("".join(r.get("text") or "" for r in message["rounds"])) \
+        else content
+    if final.strip():
+        out.append({"role": "assistant", "content": final})
+    return out
+
+
+def wire_history(messages: list[dict], *, rounds: bool = True) -> list[dict]:
+    """Provider-neutral history: notices and empty messages never go upstream; a reply's tool rounds
+    go with it (chat shape; `upstream.messages.as_blocks` makes blocks of them), or with
+    `rounds=False` only its text."""
+    out: list[dict] = []
+    for m in messages:
+        if not is_history(m):
+            continue
+        if rounds and m.get("rounds"):
+            out += expand_rounds(m)
+        elif (m.get("content") or "").strip():
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
 
 
 def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
-                 tool_instructions: str | None = None) -> Prompt:
+                 tool_instructions: str | None = None, attachments: str = "") -> Prompt:
     """[persona][memory][summary] (marker on the last) [date][tool instructions] + history.
 
     Most stable first, so a provider's prefix cache keeps hitting: the date (a date, never a
@@ -228,10 +262,14 @@ def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
     if system:
         system[-1]["cache_control"] = cache_marker(settings)
     system.append({"type": "text", "text": f"Today's date: {today.isoformat()}"})
+    # The files' names and pages (never their text) change as files come and go: after the marker.
+    if attachments.strip():
+        system.append({"type": "text", "text": attachments.strip()})
     if tool_instructions and tool_instructions.strip():
         system.append({"type": "text", "text": tool_instructions.strip()})
     messages = wire_history(conv["messages"])
-    if settings.cache_history_breakpoint and messages:
+    if settings.cache_history_breakpoint and messages and isinstance(messages[-1]["content"], str) \
+            and messages[-1]["role"] != "tool":
         last = messages[-1]
         messages[-1] = {
             "role": last["role"],
@@ -269,10 +307,10 @@ def prompt_size(conv: dict, memory: str, settings: Settings) -> tuple[int, bool]
     if measured is None or anchor is None:
         prompt = build_prompt(conv, memory, settings, today=dt.date.today())
         layers = sum(estimate_tokens(p["text"]) for p in prompt.system)
-        return layers + sum(estimate_tokens(m["content"]) for m in wire_history(conv["messages"])), False
+        return layers + sum(estimate_tokens(m["content"] or "") for m in wire_history(conv["messages"])), False
     since = conv["messages"][anchor + 1:]
     reply = conv["messages"][anchor]["usage"].get("output_tokens") or 0
-    return measured + reply + sum(estimate_tokens(m["content"]) for m in since if is_history(m)), True
+    return measured + reply + sum(estimate_tokens(m["content"] or "") for m in wire_history(since)), True
 
 
 def project(conv: dict, memory: str, settings: Settings) -> int:
@@ -334,7 +372,7 @@ def fold_point(messages: list[dict], keep: int, *, pending: bool) -> int:
 def transcript(summary: str, messages: list[dict]) -> str:
     """What the summarizer reads: the previous summary, then the messages leaving the window."""
     parts = ["Previous summary:", summary.strip() or "(none yet)", "", "Messages to fold:"]
-    parts += [f"\n{m['role']}: {m['content'].strip()}" for m in wire_history(messages)]
+    parts += [f"\n{m['role']}: {m['content'].strip()}" for m in wire_history(messages, rounds=False)]
     return "\n".join(parts)
 
 

@@ -33,10 +33,18 @@ class State:
         # From the setting itself: a custom model can be a reasoning model too.
         reasoning = {m.strip() for m in self.settings.reasoning_models.split(",") if m.strip()}
         custom = [
-            ModelInfo(m["id"], m.get("tier", "balanced"), m["id"] in reasoning, custom=True)
+            ModelInfo(m["id"], m.get("tier", "balanced"), m["id"] in reasoning, custom=True,
+                      tool_runtime=m.get("tool_runtime") or self.settings.runtime_for(m["id"]))
             for m in await self.store.read_custom_models() if m["id"] not in known
         ]
         return builtin + custom
+
+    async def tool_runtime(self, model_id: str) -> str:
+        """Where this model's tools run: its lineup entry's, else the configured default."""
+        for model in await self.lineup():
+            if model.id == model_id:
+                return model.tool_runtime
+        return self.settings.runtime_for(model_id)
 
 
 async def get_state(request: Request) -> State:

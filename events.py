@@ -86,9 +86,43 @@ class TurnWarning:
     type: Literal["warning"] = "warning"
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallsRequested:
+    """The response ended asking for client tool calls (`tools.Call`s, in the model's order).
+
+    `blocks` (Messages only) is the assistant's content exactly as received, server tool blocks
+    included, for the request that carries the results.
+    """
+
+    calls: tuple
+    blocks: tuple = ()
+    type: Literal["tool_calls"] = "tool_calls"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolStep:
+    """A tool call started (`status` running) or ended (done/error): the `tool` event's data (API.md)."""
+
+    data: dict
+    citations: tuple = ()
+    type: Literal["tool"] = "tool"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRound:
+    """One finished tool round, wire-neutral, kept with the reply so later requests can resend it.
+
+    `round` is `{"text", "calls": [{"id", "name", "arguments"}], "results": [{"call_id", "name",
+    "content", "is_error"}]}`; `text` is what the model wrote before calling.
+    """
+
+    round: dict
+    type: Literal["tool_round"] = "tool_round"
+
+
 Event = (
     TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone | CitationFound
-    | UsageReport | Finished | TurnWarning
+    | UsageReport | Finished | TurnWarning | ToolCallsRequested | ToolStep | ToolRound
 )
 
 
@@ -137,7 +171,7 @@ class TurnDone:
 
 TurnEvent = (
     TurnStarted | Compressed | TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone
-    | TurnWarning | TurnFailed | TurnDone
+    | TurnWarning | TurnFailed | TurnDone | ToolStep
 )
 
 
@@ -152,9 +186,17 @@ class Reply:
     # One raw usage per upstream request: a paused tool turn makes several.
     usages: list[dict] = field(default_factory=list)
     warnings: list[dict] = field(default_factory=list)
+    # Finished tool rounds (ToolRound.round), stored with the reply as its hidden history.
+    rounds: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     searches: int = 0
     fetches: int = 0
+
+    def end_running_tools(self, reason: str = "stopped") -> None:
+        """Mark calls that never finished (Stop, a failure) as failed, so the trail does not spin forever."""
+        for step in self.activity:
+            if step["kind"] == "tool" and step["status"] == "running":
+                step.update(status="error", error=reason)
 
     @property
     def has_output(self) -> bool:
@@ -207,6 +249,18 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
                 c["url"] != url for c in reply.citations
             ):
                 reply.citations.append({"url": url, "title": title})
+        case ToolStep(data=data, citations=citations):
+            step = next((s for s in reply.activity if s["kind"] == "tool" and s["call_id"] == data["call_id"]
+                         and s["status"] == "running"), None)
+            if step is None:
+                reply.activity.append({"kind": "tool", **data, "at": now})
+            else:
+                step.update(data)
+            for citation in citations:
+                if _citable(citation) and citation not in reply.citations:
+                    reply.citations.append(dict(citation))
+        case ToolRound(round=done):
+            reply.rounds.append(done)
         case UsageReport(raw=raw):
             reply.usages.append(raw)
         case Finished(reason=reason):
@@ -214,3 +268,12 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
         case TurnWarning(code=code, message=message):
             reply.warnings.append({"code": code, "message": message})
     return reply
+
+
+def _citable(citation: dict) -> bool:
+    """A web page (http/https URL) or an attachment page: the two kinds of chip the page draws."""
+    url = citation.get("url")
+    if isinstance(url, str):
+        return url.startswith(("http://", "https://"))
+    return isinstance(citation.get("attachment_id"), str) and isinstance(citation.get("name"), str) \
+        and isinstance(citation.get("page"), int)

@@ -136,6 +136,7 @@ class ModelEntry(TypedDict):
     reasoning: bool
     custom: bool
     cache_markers: bool  # false: its server takes plain text only, so its prompt carries no cache marker
+    tool_runtime: Literal["gateway", "local", "none"]
 
 
 class TierEntry(TypedDict):
@@ -186,6 +187,9 @@ class SettingsPatch(Strict):
     web_fetch: StrictBool | None = None
     approve_facts: StrictBool | None = None
     tool_instructions: StrictStr | None = Field(None, max_length=10_000)
+    # The local tools this conversation enables, among its preset's (the route checks the names).
+    tools: list[Annotated[StrictStr, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=64)
+    library: StrictBool | None = None
     # The pattern only tells OpenAPI clients (and generated tests) what the validator below checks.
     compression_prompt: StrictStr | None = Field(None, max_length=50_000,
                                                  json_schema_extra={"pattern": r"\{transcript\}"})
@@ -227,6 +231,8 @@ class MessageCreate(Strict):
     content: StrictStr = Field(json_schema_extra={"pattern": r"\S"})
     # Answer from this point of the current path (edit and resend); absent: after its last message.
     parent_id: StrictStr | None = Field(None, max_length=64)
+    # Files of this conversation the message is about (the route checks they exist).
+    attachment_ids: list[Annotated[StrictStr, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=32)
 
     @field_validator("content")
     @classmethod
@@ -254,6 +260,7 @@ class BranchSwitch(Strict):
 class ModelCreate(Strict):
     id: ModelId
     tier: Tier = "balanced"
+    tool_runtime: Literal["gateway", "local", "none"] | None = None
 
 
 class Login(Strict):

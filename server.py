@@ -93,7 +93,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             base_url, api_key = demo.base_url, None
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.chat = State(active, store, Turns(active, Gateway(client, base_url, api_key)), attachments)
+            turns = Turns(active, Gateway(client, base_url, api_key), attachments)
+            app.state.chat = State(active, store, turns, attachments)
+            turns.tool_runtime = app.state.chat.tool_runtime
             try:
                 yield
             finally:

@@ -12,7 +12,7 @@ import orjson
 from sse_starlette import EventSourceResponse
 
 from events import (
-    Compressed, FetchDone, ReasoningDelta, SearchResults, SearchStarted, TextDelta, TurnDone, TurnEvent,
+    Compressed, FetchDone, ReasoningDelta, SearchResults, SearchStarted, TextDelta, ToolStep, TurnDone, TurnEvent,
     TurnFailed, TurnStarted, TurnWarning,
 )
 
@@ -42,6 +42,8 @@ def payload(event: TurnEvent) -> dict | None:
             if error_code:
                 data["error"] = error_code
             return data
+        case ToolStep(data=data):
+            return data
         case TurnWarning(code=code, message=message):
             return {"code": code, "message": message}
         case TurnStarted(assistant_message_id=assistant, model=model, user_message_id=user, masked=masked):
@@ -64,7 +66,7 @@ def payload(event: TurnEvent) -> dict | None:
 
 
 NAMES = {"delta": "delta", "reasoning": "reasoning", "search_started": "search", "search_results": "search",
-         "fetch": "fetch", "warning": "warning", "start": "start", "compression": "compression",
+         "fetch": "fetch", "tool": "tool", "warning": "warning", "start": "start", "compression": "compression",
          "error": "error", "done": "done"}
 
 

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+import attachments
 import context as prompt_context
 import webfetch
 from config import Settings
@@ -516,3 +517,28 @@ async def remember(
     if not added:
         return ToolOutput(f"Already in memory: {line}", f"already known: {line}")
     return ToolOutput(f"Saved to memory: {line}", f"remembered: {line}")
+
+
+# --- The attachment tools (attachments.py does the work; whose files: its `attachment_scope`) ----
+
+def _from_attachments(result: attachments.AttachmentToolResult) -> ToolOutput:
+    return ToolOutput(result.text, result.summary, tuple(result.citations))
+
+
+@registry.tool(name="search_attachments")
+async def _search_attachments(
+    query: Annotated[str, Field(min_length=1, max_length=400,
+                                description="What to look for, in words likely to appear in the file (any language).")],
+) -> ToolOutput:
+    """Search the files attached to this conversation (and the person's library when enabled) for passages about the query: the best passages, each with its file name and page."""
+    return _from_attachments(await attachments.search_attachments(query))
+
+
+@registry.tool(name="read_attachment")
+async def _read_attachment(
+    name: Annotated[str, Field(min_length=1, max_length=300, description='The file\'s name as listed (e.g. "report.pdf").')],
+    start_page: Annotated[int, Field(ge=1, description="The first page (or section) to read, from 1.")] = 1,
+    end_page: Annotated[int | None, Field(ge=1, description="The last page to read; omit to read on as far as the length cap allows.")] = None,
+) -> ToolOutput:
+    """Read a page range of an attached file (DOCX and text files have numbered sections instead of pages); a long range is cut short and says where to continue."""
+    return _from_attachments(await attachments.read_attachment(name, start_page, end_page))

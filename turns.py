@@ -20,7 +20,7 @@ import datetime as dt
 import enum
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -29,13 +29,17 @@ import branches
 import context
 import pii
 import titles
+import tools
+from attachments import Attachments, attachment_context, attachment_listing
 from config import Settings
 from events import (
     Compressed, Event, ReasoningDelta, Reply, TextDelta, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning,
     accumulate,
 )
 from failures import StreamRedactor, UpstreamError, classify_exception, redact_value
+from presets import PresetNotFound, Presets
 from storage import NotFound, OwnerStore, StoreUnavailable, TurnLock, new_id, now_iso
+from toolloop import ToolLoop
 from upstream import chat
 from upstream import messages as web_tools
 from upstream.client import Gateway
@@ -45,6 +49,7 @@ log = logging.getLogger("chat.turns")
 NEW_TITLE = "New conversation"
 # How long a turn that ended while the store was down keeps trying to release its lock.
 UNLOCK_RETRY_SECONDS = 60
+ATTACHMENT_TOOLS = ("search_attachments", "read_attachment")
 
 
 class NothingToAnswer(Exception):
@@ -175,9 +180,13 @@ def failed(failure: UpstreamError, *, partial: bool, draft: str | None = None) -
 class Turns:
     """Runs turns against one gateway."""
 
-    def __init__(self, settings: Settings, gateway: Gateway) -> None:
+    def __init__(self, settings: Settings, gateway: Gateway, attachments: Attachments | None = None,
+                 tool_runtime: Callable[[str], Awaitable[str]] | None = None) -> None:
         self.settings = settings
         self.gateway = gateway
+        self.attachments = attachments
+        # Where a model's tools run (the lineup's `tool_runtime`, custom models included).
+        self.tool_runtime = tool_runtime
         self._unlocking: set[asyncio.Future] = set()  # releases waiting for the store to come back
         # Models that must get plain-text content: configured, or learned from a refusal of the layout.
         self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
@@ -186,7 +195,7 @@ class Turns:
         self._naming: set[str] = set()  # conversations whose title call is under way
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
-                    parent_id: str | None | object = LEAF) -> Turn:
+                    parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None) -> Turn:
         """Claim the conversation and add the person's message (or set the answers aside to regenerate).
 
         `parent_id` (a send): answer from that point of the current path, the old branch kept
@@ -213,6 +222,8 @@ class Turns:
                     content, masked = pii.mask(content)
                 user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso(),
                         "parent_id": parent}
+                if attachment_ids:
+                    user["attachment_ids"] = list(attachment_ids)
 
                 def change(c: dict) -> None:
                     if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
@@ -432,7 +443,8 @@ class Turns:
                 conv = await turn.store.get(turn.conv_id)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
-                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings))
+                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings),
+                                              attachments=self._attachment_listing(turn, conv))
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
                     turn.requested = True
@@ -529,12 +541,64 @@ class Turns:
         accumulate(reply, warning)
         return warning
 
-    def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
-        """Turns with web tools go to /v1/messages, the only endpoint that shows the searches."""
-        names = web_tools.enabled(conv["settings"], self.settings)
-        if names:
-            return self._tool_transport(turn, conv, prompt, names)
-        return self._chat_transport(turn, prompt)
+    def _attachment_scope(self, turn: Turn, conv: dict) -> contextlib.AbstractContextManager:
+        """Whose files the attachment tools see: this conversation's, and the library where enabled."""
+        if self.attachments is None:
+            return contextlib.nullcontext()
+        return attachment_context(self.attachments, turn.conv_id, turn.store.owner,
+                                  library=bool(conv["settings"].get("library")))
+
+    def _attachment_listing(self, turn: Turn, conv: dict) -> str:
+        with self._attachment_scope(turn, conv) as scope:
+            return attachment_listing(scope)
+
+    async def _selection(self, turn: Turn, conv: dict) -> tools.Selection:
+        """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
+        runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
+        web = web_tools.enabled(conv["settings"], self.settings)
+        preset_name = conv["settings"].get("preset") or "default"
+        try:
+            allowed = Presets(self.settings.data_dir, tools.registry.names()).get(preset_name).tools
+        except PresetNotFound:
+            allowed = ()
+        selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,
+                                       chosen=conv["settings"].get("tools"), runtime=runtime,
+                                       web_search="web_search" in web, web_fetch="web_fetch" in web)
+        if not self._attachment_listing(turn, conv):
+            # No files to search: the attachment tools would only be noise for the model to pick from.
+            selection = tools.Selection(tuple(n for n in selection.local if n not in ATTACHMENT_TOOLS),
+                                        selection.gateway)
+        return selection
+
+    async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
+        """Turns with our own tools run the tool loop; with only the gateway's web tools they go to
+        /v1/messages, the only endpoint that shows the searches; the rest are plain chat turns."""
+        selection = await self._selection(turn, conv)
+        if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
+            prompt = self._without_web_sentence(conv, prompt)
+        if selection.local:
+            loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
+                            model=turn.model, selection=selection, ctx=self._tool_context(turn),
+                            scope=lambda: self._attachment_scope(turn, conv))
+            source = loop.run(prompt)
+        elif selection.gateway:
+            source = self._tool_transport(turn, conv, prompt, list(selection.gateway))
+        else:
+            source = self._chat_transport(turn, prompt)
+        async with contextlib.aclosing(source) as events:
+            async for event in events:
+                yield event
+
+    def _tool_context(self, turn: Turn) -> tools.ToolContext:
+        return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, turn.store.write_memory,
+                                 owner=turn.store.owner)
+
+    def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
+        """Without web tools the budget sentence would promise searches the model cannot make."""
+        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
+        if not sentence:
+            return prompt
+        return context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
 
     def _chat_transport(self, turn: Turn, prompt: context.Prompt) -> AsyncIterator[Event]:
         body = chat.build_body(
@@ -558,9 +622,7 @@ class Turns:
             return
         except web_tools.ToolsRejected as rejected:
             yield rejected.warning
-        # Without tools the budget sentence would promise searches the model cannot make.
-        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
-        plain = context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
+        plain = self._without_web_sentence(conv, prompt)
         async with contextlib.aclosing(self._chat_transport(turn, plain)) as events:
             async for event in events:
                 yield event
@@ -607,6 +669,7 @@ class Turns:
             turn.outcome = Outcome.EMPTY
             return None
         turn.outcome = Outcome.SAVED
+        reply.end_running_tools()
         sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
         reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
             context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
@@ -620,6 +683,8 @@ class Turns:
         }
         if reply.warnings:
             message["warnings"] = reply.warnings
+        if reply.rounds:
+            message["rounds"] = reply.rounds
         if error:
             message["error"] = error
 

@@ -740,6 +740,7 @@ def verdict(results: dict) -> list[str]:
     litellm = results.get("litellm_ttfb_added_p50_ms_1")
     checks = [
         ("p50 added TTFB at 1 stream ≤ 3 ms", results.get("ttfb_added_p50_ms_1"), lambda v: v <= 3.0),
+        ("p50 tool round added < 2 ms", results.get("tool_round_added_ms_p50"), lambda v: v < 2.0),
         ("p50 added TTFB at 1 stream below LiteLLM's", results.get("ttfb_added_p50_ms_1"),
          (lambda v: v < litellm) if litellm is not None else None),
         ("every stream completes at 200", results.get("streams_completed_200"),
@@ -955,6 +956,18 @@ def run_search_bench(log) -> dict:
     data = json.loads((BENCH / "results_search.json").read_text())
     return {SEARCH_KEYS.get(k, k): v for k, v in data.items() if not isinstance(v, (dict, list))}
 
+def run_tool_bench(log) -> dict:
+    """The tool-round benchmark (bench/tool_bench.py): what a tool round adds before the next request."""
+    log("tool-round benchmark (bench/tool_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "tool_bench.py")], cwd=ROOT, timeout=600)
+        if done.returncode != 0:
+            log(f"  tool_bench.py exited with {done.returncode}")
+    except subprocess.TimeoutExpired:
+        log("  tool_bench.py ran over 600 s and was stopped")
+    path = BENCH / "results_tools.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
 
 # --- Main --------------------------------------------------------------------------------------
 
@@ -962,7 +975,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
-    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache", "search"],
+    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache", "search", "tools"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1068,6 +1081,8 @@ def main() -> None:
         results.update(run_cache_bench(log))
     if "search" not in args.skip:
         results.update(run_search_bench(log))
+    if "tools" not in args.skip:
+        results.update(run_tool_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")

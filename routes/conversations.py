@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 import branches
 import context
 import tools
+from attachments import AttachmentNotFound, conversation_scope
 from config import ROOT, Settings
 from deps import OwnerStoreDep, StateDep
 from presets import PresetNotFound, Presets
@@ -56,6 +57,7 @@ def default_settings(settings: Settings, preset_name: str | None, owner: str) ->
         "web_fetch": settings.default_web_fetch,
         "approve_facts": settings.approve_facts,
         "tools": list(preset.tools),
+        "library": False,
         "tool_instructions": (ROOT / "prompts" / "tool_instructions.txt").read_text(encoding="utf-8").strip()
         .replace("{search_max_uses}", str(settings.search_max_uses))
         .replace("{fetch_max_uses}", str(settings.fetch_max_uses)),
@@ -135,6 +137,10 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
         return JSONResponse({"detail": f"settings.context_budget: must be at least {reserve + MIN_PROMPT_TOKENS} "
                                        f"(the completion reserve of {reserve} tokens plus a minimal prompt)"},
                             status_code=422)
+    if body.settings is not None and body.settings.tools is not None:
+        problem = await _unusable_tools(state, store, conv_id, body.settings)
+        if problem:
+            return JSONResponse({"detail": f"settings.tools: {problem}"}, status_code=422)
 
     def apply(conv: dict) -> None:
         if body.title is not None and body.title.strip():
@@ -152,9 +158,28 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
     return await conversation_out(state, store, await store.update(conv_id, apply))
 
 
+async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str | None:
+    """Why `patch.tools` cannot be set: a tool that does not exist, or one the preset does not allow."""
+    preset_name = patch.preset or (await store.get(conv_id))["settings"].get("preset") or "default"
+    try:
+        allowed = Presets(state.settings.data_dir, tools.registry.names()).get(preset_name).tools
+    except PresetNotFound:
+        return f"the preset {preset_name!r} does not exist"
+    unknown = [n for n in patch.tools if n not in tools.registry]
+    if unknown:
+        return f"no tool is called {', '.join(map(repr, unknown))}; tools: {', '.join(tools.registry.names())}"
+    refused = [n for n in patch.tools if n not in allowed]
+    if refused:
+        return (f"the preset {preset_name!r} does not allow {', '.join(map(repr, refused))}; it allows: "
+                f"{', '.join(allowed) or 'no tools'}")
+    return None
+
+
 @router.delete("/{conv_id}", status_code=204)
-async def delete_conversation(conv_id: str, store: OwnerStoreDep) -> Response:
+async def delete_conversation(conv_id: str, state: StateDep, store: OwnerStoreDep) -> Response:
     await store.delete(conv_id)
+    # Its files go with it (the conversation was this owner's, or delete would have been 404).
+    await state.attachments.delete_scope(conversation_scope(conv_id))
     return Response(status_code=204)
 
 
@@ -164,9 +189,17 @@ async def send_message(conv_id: str, body: MessageCreate, state: StateDep, store
     if len(body.content) > state.settings.max_message_chars:
         return JSONResponse(
             {"detail": f"the message is over {state.settings.max_message_chars} characters"}, status_code=422)
+    ids = body.attachment_ids or []
+    if ids:
+        await store.get(conv_id)  # an unknown conversation is 404, not a complaint about its files
+        try:
+            ids = state.attachments.check_ids(conversation_scope(conv_id), list(dict.fromkeys(ids)))
+        except AttachmentNotFound:
+            return JSONResponse({"detail": "attachment_ids: not every id names a file of this conversation"},
+                                status_code=422)
     parent = body.parent_id if "parent_id" in body.model_fields_set else LEAF
     try:
-        turn = await state.turns.begin(store, conv_id, body.content, parent)
+        turn = await state.turns.begin(store, conv_id, body.content, parent, attachment_ids=ids)
     except NotAnAnswerPoint:
         return JSONResponse({"detail": "parent_id: not a point of the current path to answer from (the path's "
                                        "last message, or the message before one you typed)"}, status_code=422)

@@ -20,7 +20,7 @@ async def list_models(state: StateDep) -> dict:
         "tiers": [
             {"tier": tier, "models": [
                 {"id": m.id, "label": m.label, "reasoning": m.reasoning, "custom": m.custom,
-                 "cache_markers": m.id not in state.turns.plain_text_models}
+                 "cache_markers": m.id not in state.turns.plain_text_models, "tool_runtime": m.tool_runtime}
                 for m in lineup if m.tier == tier
             ]}
             for tier in TIERS
@@ -33,9 +33,13 @@ async def add_model(body: ModelCreate, state: StateDep, admin: AdminDep) -> dict
     if any(m.id == body.id for m in await state.lineup()):
         return JSONResponse({"detail": f"{body.id} is already in the lineup"}, status_code=409)
     custom = await state.store.read_custom_models()
-    custom.append({"id": body.id, "tier": body.tier})
+    entry = {"id": body.id, "tier": body.tier}
+    if body.tool_runtime is not None:
+        entry["tool_runtime"] = body.tool_runtime
+    custom.append(entry)
     await state.store.write_custom_models(custom)
-    return {"id": body.id, "tier": body.tier, "custom": True}
+    return {"id": body.id, "tier": body.tier, "custom": True,
+            "tool_runtime": body.tool_runtime or state.settings.runtime_for(body.id)}
 
 
 @router.delete("/{model_id:path}", status_code=204)

@@ -4,6 +4,8 @@
 //   {kind: "thinking", text, started_at, ended_at}
 //   {kind: "search", query, results: [{url, title}] | null, at, error?}
 //   {kind: "fetch", url, title, ok, at, error?}
+//   {kind: "tool", call_id, name, arguments, status: "running"|"done"|"error", summary?, error?,
+//    duration_ms?, at}   (a tool that ran on this server; one step per call, updated when it ends)
 // Everything shown (domains, counts, durations) is derived here from those raw facts, the same
 // way for a live trail and a saved one; anything else a saved step carries (an old `domains`
 // list) is ignored. Times are in seconds.
@@ -42,6 +44,16 @@ export function accumulateActivity(steps, event, data, now = Date.now() / 1000) 
     steps.push(step);
     return steps.length - 1;
   }
+  if (event === "tool") {
+    // `running` adds the call's step; `done` or `error` ends that same step.
+    const index = steps.findIndex((s) => s.kind === "tool" && s.call_id === data.call_id && s.status === "running");
+    if (index !== -1 && data.status !== "running") {
+      Object.assign(steps[index], data);
+      return index;
+    }
+    steps.push({ kind: "tool", ...data, at: now });
+    return steps.length - 1;
+  }
   return -1;
 }
 
@@ -78,6 +90,10 @@ function summarizeActivity(steps) {
   const unread = steps.filter((s) => s.kind === "fetch" && !s.ok).length;
   if (read) parts.push(`Read ${read} ${plural(read, "page", "pages")}`);
   if (unread) parts.push(`${unread} ${plural(unread, "page", "pages")} unreadable`);
+  const calls = steps.filter((s) => s.kind === "tool");
+  if (calls.length) parts.push(`Used ${calls.length} ${plural(calls.length, "tool", "tools")}`);
+  const failed = calls.filter((s) => s.status === "error").length;
+  if (failed) parts.push(`${failed} failed`);
   return parts.join(" · ");
 }
 
@@ -89,6 +105,8 @@ function liveLine(steps) {
   if (last.kind === "search") {
     return last.results === null && !last.error ? `Searching the web for “${last.query}”…` : summarizeActivity(steps);
   }
+  const running = steps.filter((s) => s.kind === "tool" && s.status === "running");
+  if (running.length) return `Running ${running.map((s) => s.name).join(", ")}…`;
   return summarizeActivity(steps);
 }
 
@@ -105,6 +123,21 @@ function link(url, text) {
 function thinkingTitle(step) {
   const secs = Math.round(Math.max(0, step.ended_at - step.started_at));
   return secs >= 1 ? `Thought for ${secs}s` : "Thought";
+}
+
+/** A call's arguments in one short line: `query: "tea", page: 7` (text, never markup). */
+function argumentLine(args) {
+  const text = Object.entries(args || {})
+    .map(([k, v]) => `${k}: ${JSON.stringify(v)}`)
+    .join(", ");
+  return text.length > 160 ? `${text.slice(0, 159)}…` : text;
+}
+
+function toolTitle(step) {
+  if (step.status === "running") return `Running ${step.name}…`;
+  const secs = (step.duration_ms ?? 0) / 1000;
+  const took = step.duration_ms == null ? "" : ` (${secs < 10 ? secs.toFixed(1) : Math.round(secs)}s)`;
+  return step.status === "error" ? `${step.name} failed${took}` : `Ran ${step.name}${took}`;
 }
 
 function renderStep(step) {
@@ -132,6 +165,15 @@ function renderStep(step) {
       }
       li.append(list);
     }
+  } else if (step.kind === "tool") {
+    li.classList.add(`tool-${step.status}`);
+    li.dataset.test = "tool-step";
+    li.dataset.status = step.status;
+    li.append(node("div", "step-title", toolTitle(step)));
+    const args = argumentLine(step.arguments);
+    if (args) li.append(node("div", "step-args", args));
+    const note = step.status === "error" ? step.error || step.summary : step.summary;
+    if (note) li.append(node("div", "step-note", note));
   } else if (step.kind === "fetch") {
     const title = step.title || domainOf(step.url);
     const line = node("div", "step-title", step.ok ? "Read " : "Could not read ");
@@ -192,19 +234,34 @@ export class ActivityTrail {
   }
 }
 
-/** Numbered domain chips linking to the sources; non-http(s) URLs are left out. */
+/** An attachment page cited: `{attachment_id, name, page}`. */
+function isAttachmentCitation(c) {
+  return typeof c.attachment_id === "string" && typeof c.name === "string" && Number.isInteger(c.page);
+}
+
+/**
+ * Numbered chips for the sources: web pages as domain links (non-http(s) URLs are left out),
+ * attachment pages as "name p. N" (text: a file name is untrusted and never markup).
+ */
 export function renderCitations(citations) {
-  const safe = (citations || []).filter((c) => safeUrl(c.url));
+  const safe = (citations || []).filter((c) => safeUrl(c.url) || isAttachmentCitation(c));
   if (!safe.length) return null;
   const wrap = node("div", "citations");
   wrap.setAttribute("aria-label", "Sources");
   safe.forEach((c, i) => {
-    const a = link(c.url, "");
-    a.className = "citation";
-    a.dataset.test = "citation";
-    a.title = c.title || c.url;
-    a.append(node("span", "citation-n", String(i + 1)), node("span", "citation-domain", domainOf(c.url)));
-    wrap.append(a);
+    let chip;
+    if (isAttachmentCitation(c)) {
+      chip = node("span", "citation citation-file");
+      chip.title = `${c.name}, page ${c.page}`;
+      chip.append(node("span", "citation-n", String(i + 1)), node("span", "citation-domain", `${c.name} p. ${c.page}`));
+    } else {
+      chip = link(c.url, "");
+      chip.className = "citation";
+      chip.title = c.title || c.url;
+      chip.append(node("span", "citation-n", String(i + 1)), node("span", "citation-domain", domainOf(c.url)));
+    }
+    chip.dataset.test = "citation";
+    wrap.append(chip);
   });
   return wrap;
 }

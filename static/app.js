@@ -459,6 +459,7 @@ function handleEvent(turn, event, data) {
     case "reasoning":
     case "search":
     case "fetch":
+    case "tool":
       view.addActivity(event, data);
       break;
     case "delta":

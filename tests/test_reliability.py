@@ -34,7 +34,8 @@ async def new_conversation(client: httpx.AsyncClient, *, tools: bool = False) ->
     assert created.status_code == 201, created.text
     conv_id = created.json()["id"]
     patched = await client.patch(f"/api/conversations/{conv_id}",
-                                 json={"settings": {"web_search": tools, "web_fetch": tools}})
+                                 json={"settings": {"web_search": tools, "web_fetch": tools,
+                                                    **({} if tools else {"tools": []})}})
     assert patched.status_code == 200
     return conv_id
 

@@ -1,5 +1,8 @@
 """Web search and fetch turns through the real app and the gateway simulator on /v1/messages:
-request shape, live trail and citations, pause_turn, dropped tools, failures and Stop."""
+request shape, live trail and citations, pause_turn, dropped tools, failures and Stop.
+
+Conversations here switch our own tools off (`tools: []`), so the gateway's server tools are the
+only ones; turns mixing both are in test_tool_loop.py."""
 
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def settings(settings):
 
 @pytest.fixture
 async def conv(api):
-    return await api.new()
+    created = await api.new()
+    return await api.patch(created["id"], settings={"tools": []})
 
 
 async def test_tool_turn_request_shape(sim, tmp_path):
@@ -52,6 +56,7 @@ async def test_tool_turn_request_shape(sim, tmp_path):
     async with app_with(sim, tmp_path, gateway_api_key="sk-sim-key") as api:
         await api.client.put("/api/memory", json={"text": "- prefers metric units"})
         created = await api.new()   # the default model carries reasoning_effort for chat turns
+        await api.patch(created["id"], settings={"tools": []})
 
         await api.send(created["id"], "Weather in Seoul?")
 
@@ -79,6 +84,7 @@ async def test_tool_types_and_limits_come_from_config(sim, tmp_path):
     async with app_with(sim, tmp_path, web_search_tool_type="synthorai:web_search", search_max_uses=5,
                         web_fetch_tool_type="web_fetch_20260209", fetch_max_uses=1) as api:
         created = await api.new()
+        await api.patch(created["id"], settings={"tools": []})
         await api.send(created["id"], "hello")
 
     [request] = sim.requests

@@ -36,11 +36,12 @@ from collections.abc import AsyncIterator
 from config import Settings
 from events import (
     CitationFound, Event, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta,
-    TurnWarning, UsageReport,
+    ToolCallsRequested, TurnWarning, UsageReport,
 )
 from failures import UpstreamError, classify_finish, classify_stream_error
 from upstream import chat
 from upstream.client import Gateway
+from tools import Call
 from upstream.sse import SSERecord
 
 PATH = "/v1/messages"
@@ -86,12 +87,56 @@ def declarations(names: list[str], settings: Settings) -> list[dict]:
 
 
 def build_body(model: str, system: list[dict], messages: list[dict], tools: list[dict], *,
-               max_tokens: int, received: list[dict] | None = None) -> dict:
-    """The request; after a pause, the same request plus one assistant message of the blocks so far."""
+               max_tokens: int, received: list[dict] | None = None, tool_choice: str | None = None) -> dict:
+    """The request; after a pause, the same request plus one assistant message of the blocks so far.
+
+    `messages` may hold earlier tool rounds in the chat shape `context.wire_history` gives; they
+    are sent as `tool_use` / `tool_result` blocks.
+    """
+    messages = as_blocks(messages)
     if received:
         messages = [*messages, {"role": "assistant", "content": list(received)}]
-    return {"model": model, "max_tokens": max_tokens, "stream": True, "system": system,
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "system": system,
             "messages": messages, "tools": tools}
+    if tool_choice:
+        body["tool_choice"] = {"type": tool_choice}
+    return body
+
+
+def _input_of(arguments: object) -> dict:
+    """A stored call's arguments as the object a tool_use block needs (malformed ones as {})."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def as_blocks(messages: list[dict]) -> list[dict]:
+    """Chat-shaped tool rounds (an assistant message with `tool_calls`, then `role: tool` messages) as
+    Messages blocks: the calls as `tool_use` in the assistant message, the results as one user
+    message of `tool_result` blocks. Other messages pass unchanged."""
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            last = out[-1] if out else None
+            if last is not None and last.get("tool_results"):
+                last["content"].append(block)
+            else:
+                out.append({"role": "user", "content": [block], "tool_results": True})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = [{"type": "text", "text": m["content"]}] if m.get("content") else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": _input_of(c["function"].get("arguments"))} for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": blocks})
+        else:
+            out.append(m)
+    for m in out:
+        m.pop("tool_results", None)
+    return out
 
 
 def request_headers(api_key: str | None, tools: list[dict]) -> dict:
@@ -100,7 +145,7 @@ def request_headers(api_key: str | None, tools: list[dict]) -> dict:
         # Anthropic reads x-api-key; OpenAI-style gateways read the bearer token.
         headers["x-api-key"] = api_key
         headers.update(chat.auth_headers(api_key))
-    flags = sorted({BETA_FLAGS[t["type"]] for t in tools if t["type"] in BETA_FLAGS})
+    flags = sorted({BETA_FLAGS[t["type"]] for t in tools if t.get("type") in BETA_FLAGS})
     if flags:
         headers["anthropic-beta"] = ",".join(flags)
     return headers
@@ -111,9 +156,10 @@ def rejected_tools(failure: UpstreamError, tools: list[dict]) -> list[dict]:
     if failure.status not in _REJECTING_STATUSES:
         return []
     text = failure.message.lower()
+    # Only the gateway's server tools (declared with a `type`) can be dropped; our own are plain schemas.
     return [
         t for t in tools
-        if t["name"] in text or t["type"].lower() in text or TOOL_LABELS[t["name"]] in text
+        if "type" in t and (t["name"] in text or t["type"].lower() in text or TOOL_LABELS[t["name"]] in text)
     ]
 
 
@@ -139,6 +185,8 @@ class MessagesDecoder:
         self.finished = False
         self._blocks: dict[int, dict] = {}
         self._partial_json: dict[int, str] = {}
+        # Our own tools the model called (`tool_use` blocks), with their raw argument JSON.
+        self.client_calls: list[Call] = []
 
     @property
     def blocks(self) -> list[dict]:
@@ -232,6 +280,14 @@ class MessagesDecoder:
             return []
         # The input arrives as JSON pieces; only the whole of it parses.
         raw = self._partial_json.pop(index, "")
+        if block.get("type") == "tool_use":
+            # Our tool: malformed arguments are the model's mistake, answered as a tool error, and
+            # the block is resent with an empty input (the API needs an object there).
+            if not raw.strip():
+                raw = block.get("input") if isinstance(block.get("input"), dict) else {}
+            block["input"] = _input_of(raw)
+            self.client_calls.append(Call(str(block.get("id", "")), str(block.get("name", "")), raw))
+            return []
         if raw.strip():
             try:
                 block["input"] = json.loads(raw)
@@ -309,13 +365,20 @@ def _merge(old: dict, new: dict) -> dict:
 
 
 async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: list[dict],
-                 tools: list[dict], max_tokens: int, pause_turn_max: int) -> AsyncIterator[Event]:
-    """Events of one tool turn across its continuations, ending with `Finished`, or an error."""
+                 tools: list[dict], max_tokens: int, pause_turn_max: int,
+                 tool_choice: str | None = None, dropped: set[str] | None = None) -> AsyncIterator[Event]:
+    """Events of one tool turn across its continuations, ending with `Finished`, or an error.
+
+    When the model stops to call our own tools (`tool_use`), a `ToolCallsRequested` with the
+    calls and every block received comes just before `Finished`.
+    """
     received: list[dict] = []
     tool_inputs: dict[str, dict] = {}
+    calls: list[Call] = []
     for continuation in range(pause_turn_max + 1):
         decoder = MessagesDecoder(tool_inputs)
-        body = build_body(model, system, messages, tools, max_tokens=max_tokens, received=received)
+        body = build_body(model, system, messages, tools, max_tokens=max_tokens, received=received,
+                          tool_choice=tool_choice)
         events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
         try:
             first = await anext(events)
@@ -323,14 +386,16 @@ async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: 
             first = None
         except UpstreamError as failure:
             # Only the first request may drop a tool: a continuation must resend what was run.
-            dropped = rejected_tools(failure, tools) if continuation == 0 else []
-            if not dropped:
+            rejected = rejected_tools(failure, tools) if continuation == 0 else []
+            if not rejected:
                 raise
-            tools = [t for t in tools if t not in dropped]
+            tools = [t for t in tools if t not in rejected]
+            if dropped is not None:
+                dropped.update(t["name"] for t in rejected)  # a tool loop's later rounds leave them out
             if not tools:
-                raise ToolsRejected([t["name"] for t in dropped], failure) from failure
-            yield dropped_warning([t["name"] for t in dropped], failure)
-            body = build_body(model, system, messages, tools, max_tokens=max_tokens)
+                raise ToolsRejected([t["name"] for t in rejected], failure) from failure
+            yield dropped_warning([t["name"] for t in rejected], failure)
+            body = build_body(model, system, messages, tools, max_tokens=max_tokens, tool_choice=tool_choice)
             events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
             first = None
         async with contextlib.aclosing(events):
@@ -340,6 +405,7 @@ async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: 
                 yield event
         # Messages rejects an empty text block, so one that only opened a citation is not resent.
         received += [b for b in decoder.blocks if not (b.get("type") == "text" and not b.get("text"))]
+        calls += decoder.client_calls
         if decoder.stop_reason != "pause_turn":
             break
     else:
@@ -347,6 +413,8 @@ async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: 
                           f"The gateway kept pausing this turn after {pause_turn_max} continuations "
                           "(PAUSE_TURN_MAX), so the reply was cut here. Ask it to go on.")
     reason = decoder.stop_reason or "end_turn"
+    if calls and reason == "tool_use":
+        yield ToolCallsRequested(tuple(calls), tuple(received))
     yield Finished(reason)
     if (failure := classify_finish(reason, decoder.stop_detail)) is not None:
         raise failure
