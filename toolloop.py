@@ -60,8 +60,9 @@ class ToolLoop:
     def __init__(self, gateway: Gateway, settings: Settings, *, wire: Wire, model: str,
                  selection: tools.Selection, ctx: tools.ToolContext,
                  scope: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 registry: tools.Registry = tools.registry) -> None:
+                 registry: tools.Registry = tools.registry, plain_text: bool = False) -> None:
         self.gateway = gateway
+        self.plain_text = plain_text  # a server that takes plain-text content only (turns.py learns which)
         self.settings = settings
         self.wire = wire
         self.model = model
@@ -119,6 +120,7 @@ class ToolLoop:
         messages = prompt.messages + extra
         if self.wire == "chat":
             body = chat.build_body(self.model, prompt.system, messages, max_tokens=self.settings.max_completion_tokens,
+                                   plain_text=self.plain_text,
                                    params=self.settings.params_for(self.model),
                                    tools=self.registry.declarations(self.selection.local, "chat"), tool_choice=choice)
             source = self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())

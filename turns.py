@@ -579,7 +579,8 @@ class Turns:
         if selection.local:
             loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
                             model=turn.model, selection=selection, ctx=self._tool_context(turn),
-                            scope=lambda: self._attachment_scope(turn, conv))
+                            scope=lambda: self._attachment_scope(turn, conv),
+                            plain_text=turn.model in self.plain_text_models)
             source = loop.run(prompt)
         elif selection.gateway:
             source = self._tool_transport(turn, conv, prompt, list(selection.gateway))
@@ -590,7 +591,13 @@ class Turns:
                 yield event
 
     def _tool_context(self, turn: Turn) -> tools.ToolContext:
-        return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, turn.store.write_memory,
+        write_memory = turn.store.write_memory
+        if self.settings.pii_masking == "on":  # a fact the model remembers is masked like the person's message
+
+            async def write_memory(text: str) -> None:
+                await turn.store.write_memory(pii.mask(text)[0])
+
+        return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
                                  owner=turn.store.owner)
 
     def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
