@@ -902,7 +902,10 @@ async function importFile(file) {
 }
 
 async function copyLastReply() {
-  const last = (state.conv?.messages || []).filter((m) => m.role === "assistant" && m.content).at(-1);
+  if (!state.conv) return;
+  // Read from the server: a reply that just finished may not be in the page's copy yet.
+  const conv = await api.conversation(state.conv.id);
+  const last = conv.messages.filter((m) => m.role === "assistant" && m.content).at(-1);
   if (!last) {
     toast("There is no reply to copy yet.");
     return;

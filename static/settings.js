@@ -30,7 +30,13 @@ export class SettingsPanel {
     this.tools = $("set-tools-list");
     // False once the server refused `settings.tools` (an older server): the checklist goes away.
     this.toolsSupported = true;
-    this.presetEditor = new PresetEditor(app);
+    this.presetEditor = new PresetEditor({
+      ...app,
+      presetsChanged: async () => {
+        await app.presetsChanged();
+        this.refreshPresetOptions();
+      },
+    });
     // The memory text as last read or saved, to tell an edit from no change.
     this.savedMemory = null;
     $("settings-close").addEventListener("click", () => this.requestClose());
@@ -97,6 +103,15 @@ export class SettingsPanel {
     this.fields.compression_prompt.value = s.compression_prompt ?? "";
     for (const field of Object.values(this.fields)) field.disabled = !conv;
     this.fillTools(s.tools ?? this.allowedTools());
+  }
+
+  /** The preset choices after a preset was made or deleted, keeping what is chosen (and unsaved). */
+  refreshPresetOptions() {
+    const preset = this.fields.preset;
+    const value = preset.value;
+    const presets = this.app.presets();
+    preset.replaceChildren(new Option("Custom", ""), ...presets.map((p) => new Option(p.name, p.name)));
+    preset.value = presets.some((p) => p.name === value) ? value : "";
   }
 
   /** The tools the chosen preset allows: the conversation picks among these. */
