@@ -67,10 +67,10 @@ export class PresetEditor {
       if (p.builtin) {
         li.append(node("span", "badge", "built-in"));
       } else {
-        const edit = button("Edit", { className: "small", label: `Edit preset ${p.name}` });
+        const edit = button("Edit", { className: "small", label: `Edit “${p.name}”` });
         edit.dataset.test = "preset-edit";
         edit.addEventListener("click", () => this.edit(p));
-        const del = button("Delete", { className: "small", label: `Delete preset ${p.name}` });
+        const del = button("Delete", { className: "small", label: `Delete “${p.name}”` });
         del.dataset.test = "preset-delete";
         del.addEventListener("click", () => this.remove(p.name, del));
         li.append(edit, del);

@@ -114,22 +114,25 @@ export class SettingsPanel {
     preset.value = presets.some((p) => p.name === value) ? value : "";
   }
 
-  /** The tools the chosen preset allows: the conversation picks among these. */
+  /** The tools the chosen preset allows: the conversation picks among these (a custom persona keeps its own). */
   allowedTools() {
-    const name = this.fields.preset.value || this.app.conversation()?.settings?.preset;
-    return this.app.presets().find((p) => p.name === name)?.tools ?? [];
+    const settings = this.app.conversation()?.settings || {};
+    const name = this.fields.preset.value || settings.preset;
+    return this.app.presets().find((p) => p.name === name)?.tools ?? settings.tools ?? [];
   }
 
   fillTools(checked) {
     const allowed = this.allowedTools();
     renderToolChecks(this.tools, allowed, this.app.tools(), checked);
     $("set-tools-none").hidden = allowed.length > 0;
-    $("set-tools").hidden = !this.toolsSupported || !this.app.conversation()?.settings?.tools;
+    $("set-tools").hidden = !this.app.conversation()?.settings?.tools;
+    for (const box of this.tools.querySelectorAll("input")) box.disabled = !this.toolsSupported;
+    $("set-tools-note").hidden = this.toolsSupported;
   }
 
   /** The tool choice when it differs from the server's, else null. */
   changedTools(current) {
-    if ($("set-tools").hidden) return null;
+    if ($("set-tools").hidden || !this.toolsSupported) return null;
     const next = checkedTools(this.tools);
     const now = current.tools ?? [];
     const same = next.length === now.length && next.every((t) => now.includes(t));
@@ -216,7 +219,7 @@ export class SettingsPanel {
         this.fillConversation();
         done.push("this conversation's settings");
       }
-      const note = tools !== null ? await this.saveTools(conv.id, tools, done) : "";
+      if (tools !== null) await this.saveTools(conv.id, tools, done);
       if (memoryChanged) {
         const saved = await api.saveMemory(this.memory.value);
         this.savedMemory = saved.text;
@@ -224,26 +227,27 @@ export class SettingsPanel {
         done.push("memory");
         this.app.memoryChanged();
       }
-      setStatus("settings-status", [done.length ? `Saved ${done.join(" and ")}.` : "", note].join(" ").trim());
+      setStatus("settings-status", done.length ? `Saved ${done.join(" and ")}.` : "Nothing changed.");
     } catch (err) {
       const kept = done.length ? ` (${done.join(" and ")} saved)` : "";
       setStatus("settings-status", err.message + kept, true);
     }
   }
 
-  /** The tool choice goes on its own, so a server that does not know it refuses nothing else. */
+  /**
+   * The tool choice goes on its own, so a server that does not know it refuses nothing else; such a
+   * server's refusal leaves the checklist read-only, saying why, and is not an error of the save.
+   */
   async saveTools(id, tools, done) {
     try {
       const updated = await api.patchConversation(id, { settings: { tools } });
       this.app.conversationChanged(updated);
       this.fillConversation();
       if (!done.length) done.push("this conversation's tools");
-      return "";
     } catch (err) {
       if (err.status !== 422 || !/tools/.test(err.message) || !/[Ee]xtra/.test(err.message)) throw err;
       this.toolsSupported = false;
-      $("set-tools").hidden = true;
-      return "This server cannot choose tools per conversation yet.";
+      this.fillConversation();
     }
   }
 
