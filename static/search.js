@@ -108,7 +108,11 @@ export class SearchBox {
   }
 
   key(e) {
-    if (e.key === "ArrowDown" || e.key === "ArrowUp") {
+    if (e.key === "Escape") {
+      // A search field would spend Esc on clearing itself; here Esc closes the box, as it says.
+      e.preventDefault();
+      this.dialog.close();
+    } else if (e.key === "ArrowDown" || e.key === "ArrowUp") {
       e.preventDefault();
       if (!this.hits.length) return;
       const step = e.key === "ArrowDown" ? 1 : -1;
