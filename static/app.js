@@ -512,7 +512,8 @@ async function send() {
   }
   clearFailure();
   setComposer("");
-  const attachmentIds = files.pendingIds();
+  const sentFiles = files.ready();
+  const attachmentIds = sentFiles.map((f) => f.id);
   const body = attachmentIds.length ? { content: text, attachment_ids: attachmentIds } : { content: text };
   const userEl = renderUser({ content: text });
   const chips = files.chipsFor({ attachment_ids: attachmentIds });
@@ -520,7 +521,7 @@ async function send() {
   files.clearPending();
   el.messages.append(userEl);
   el.greeting.hidden = true;
-  await runTurn("messages", body, { userEl, text });
+  await runTurn("messages", body, { userEl, text, sentFiles });
 }
 
 async function regenerate() {
@@ -537,12 +538,12 @@ function stop() {
 }
 
 /** Run one turn stream to its end, then settle the transcript by what ended it. */
-async function runTurn(kind, body, { userEl = null, text = null }) {
+async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] }) {
   const conv = state.conv;
   const view = new AssistantView({ model: conv.model, reasoning: isReasoning(conv.model) });
   view.startStreaming();
   el.messages.append(view.el);
-  const turn = { convId: conv.id, controller: new AbortController(), view, userEl };
+  const turn = { convId: conv.id, controller: new AbortController(), view, userEl, sentFiles };
   state.turn = turn;
   setStreaming(true);
   scrollToBottom(true);
@@ -624,6 +625,7 @@ async function settleTurn(turn, outcome, text) {
       if (data.draft != null) {
         userEl?.remove();
         returnDraft(turn.convId, data.draft);
+        files.restore(turn.convId, turn.sentFiles);
       }
       if (!data.partial && view.isEmpty) view.el.remove();
       else view.setFinal("interrupted");
@@ -641,7 +643,10 @@ async function settleTurn(turn, outcome, text) {
       // the same again only helps when the server was busy or failed, not when it said no.
       userEl?.remove();
       view.el.remove();
-      if (text != null) returnDraft(turn.convId, text);
+      if (text != null) {
+        returnDraft(turn.convId, text);
+        files.restore(turn.convId, turn.sentFiles);
+      }
       if (!here) return;
       const status = outcome.error.status;
       state.failure = {
@@ -668,6 +673,7 @@ async function settleTurn(turn, outcome, text) {
         userEl?.remove();
         state.failure.draft = text;
         returnDraft(turn.convId, text);
+        files.restore(turn.convId, turn.sentFiles);
       }
       renderFailure();
     }

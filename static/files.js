@@ -109,9 +109,18 @@ export class Files {
     return this.list.length;
   }
 
-  /** Ids of the uploaded files waiting for the next message. */
-  pendingIds() {
-    return this.pending.filter((p) => p.meta).map((p) => p.meta.id);
+  /** The uploaded files waiting for the next message. */
+  ready() {
+    return this.pending.filter((p) => p.meta).map((p) => p.meta);
+  }
+
+  /** A message that was rolled back takes its files back to the composer, with its text. */
+  restore(convId, metas) {
+    if (convId !== this.convId || !metas.length) return;
+    const waiting = new Set(this.ready().map((m) => m.id));
+    const back = metas.filter((m) => !waiting.has(m.id) && this.list.some((f) => f.id === m.id));
+    this.pending = [...back.map((meta) => ({ meta, progress: 1, error: null })), ...this.pending];
+    this.renderStrip();
   }
 
   get uploading() {

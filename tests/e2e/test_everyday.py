@@ -14,7 +14,7 @@ from playwright.sync_api import expect
 from pagekit import (
     assistant_messages, conversation_id, eventually, exchange, new_conversation, screenshot, send, user_messages,
 )
-from simulator import Script, steps
+from simulator import Script, errors, steps
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -65,6 +65,18 @@ def test_files_dropped_or_picked_show_as_chips_in_the_panel_and_download_and_del
     expect(chips.nth(1)).to_have_attribute("data-state", "ready")
     expect(chips.nth(1).locator(".file-chip-name")).to_have_text(hostile)
     assert page.locator("img[src=x]").count() == 0
+    # A file pasted into the message box is attached the same way.
+    page.evaluate("""() => {
+      const dt = new DataTransfer();
+      dt.items.add(new File(["pasted words"], "clip.txt", { type: "text/plain" }));
+      document.getElementById("composer").dispatchEvent(
+        new ClipboardEvent("paste", { clipboardData: dt, bubbles: true, cancelable: true }));
+    }""")
+    expect(chips).to_have_count(3)
+    expect(chips.nth(2)).to_have_attribute("data-state", "ready")
+    chips.nth(2).get_by_role("button", name="Remove clip.txt").click()
+    expect(chips).to_have_count(2)
+    eventually(lambda: len(attachments(server, conv_id)) == 2)
     stored = attachments(server, conv_id)
     assert sorted(a["name"] for a in stored) == sorted(["report.pdf", hostile])
     screenshot(page, "attachments-composer")
@@ -128,6 +140,19 @@ def test_the_library_lists_uploads_and_the_conversation_setting_follows_the_serv
     library.filter(has_text="glossary.md").get_by_test_id("file-delete").click()
     expect(library.filter(has_text="glossary.md")).to_have_count(0)
     assert all(a["id"] != entry["id"] for a in server.api("GET", "/api/library").json())
+
+
+def test_a_message_rolled_back_takes_its_files_back_to_the_composer(page, server, sim):
+    page.get_by_test_id("attach-input").set_input_files(
+        files=[{"name": "plan.md", "mimeType": "text/markdown", "buffer": b"# Plan\n\nbuild the bridge"}])
+    chips = page.locator("#composer-files [data-test=attachment-chip]")
+    expect(chips).to_have_attribute("data-state", "ready")
+    sim.enqueue(errors.server_error_502())
+    send(page, "Summarise the plan")
+    expect(page.get_by_test_id("error")).to_have_attribute("data-kind", "upstream")
+    expect(page.get_by_test_id("composer")).to_have_value("Summarise the plan")
+    expect(chips).to_have_count(1)
+    expect(chips).to_contain_text("plan.md")
 
 
 def test_a_file_the_server_refuses_shows_its_reason_and_stores_nothing(page, server):
