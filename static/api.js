@@ -23,8 +23,8 @@ function describeDetail(detail) {
   return detail ? JSON.stringify(detail) : "";
 }
 
-async function request(method, path, body, { retryBusy = false } = {}) {
-  const init = { method, headers: {} };
+async function request(method, path, body, { retryBusy = false, signal } = {}) {
+  const init = { method, headers: {}, signal };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -54,9 +54,14 @@ export const api = {
   addModel: (id, tier) => request("POST", "/api/models", { id, tier }),
   removeModel: (id) => request("DELETE", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`),
   presets: () => request("GET", "/api/presets"),
+  tools: () => request("GET", "/api/tools"),
+  createPreset: (preset) => request("POST", "/api/presets", preset),
+  updatePreset: (name, preset) => request("PUT", `/api/presets/${encodeURIComponent(name)}`, preset),
+  deletePreset: (name) => request("DELETE", `/api/presets/${encodeURIComponent(name)}`),
   memory: () => request("GET", "/api/memory"),
   saveMemory: (text) => request("PUT", "/api/memory", { text }),
-  conversations: () => request("GET", "/api/conversations"),
+  conversations: ({ archived = false } = {}) =>
+    request("GET", archived ? "/api/conversations?archived=true" : "/api/conversations"),
   createConversation: (body) => request("POST", "/api/conversations", body),
   conversation: (id) => request("GET", conv(id)),
   patchConversation: (id, patch) => request("PATCH", conv(id), patch),
@@ -64,7 +69,43 @@ export const api = {
   rewind: (id) => request("POST", `${conv(id)}/rewind`, {}, { retryBusy: true }),
   compress: (id) => request("POST", `${conv(id)}/compress`, {}, { retryBusy: true }),
   reviewFacts: (id, noticeId, keep) => request("POST", `${conv(id)}/facts`, { notice_id: noticeId, keep }),
+  attachments: (id) => request("GET", `${conv(id)}/attachments`),
+  deleteAttachment: (id, aid) => request("DELETE", attachmentUrl(id, aid)),
+  library: () => request("GET", "/api/library"),
+  deleteFromLibrary: (aid) => request("DELETE", libraryUrl(aid)),
+  search: (q, signal) => request("GET", `/api/search?q=${encodeURIComponent(q)}`, undefined, { signal }),
 };
+
+/** Where a conversation's file downloads from (a no-id library file: `libraryUrl`). */
+export const attachmentUrl = (id, aid) => `${conv(id)}/attachments/${encodeURIComponent(aid)}`;
+export const libraryUrl = (aid) => `/api/library/${encodeURIComponent(aid)}`;
+export const exportUrl = (id, format) => `${conv(id)}/export?format=${format}`;
+export const uploadUrl = (id) => (id == null ? "/api/library" : `${conv(id)}/attachments`);
+
+/**
+ * POST one file as multipart (field `file`) with XMLHttpRequest, the one browser API that reports
+ * upload progress: `onProgress(fraction)` as bytes leave. Resolves with the JSON answer; rejects
+ * with an ApiError carrying the server's detail (413, 415, 422) or status 0 when the network failed.
+ */
+export function upload(path, file, onProgress = () => {}) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest();
+    xhr.open("POST", path);
+    xhr.responseType = "json";
+    xhr.upload.addEventListener("progress", (e) => {
+      if (e.lengthComputable) onProgress(e.loaded / e.total);
+    });
+    xhr.addEventListener("load", () => {
+      if (xhr.status >= 200 && xhr.status < 300) resolve(xhr.response);
+      else reject(new ApiError(xhr.status, xhr.response?.detail ?? xhr.statusText));
+    });
+    xhr.addEventListener("error", () => reject(new ApiError(0, "the upload did not reach the server")));
+    xhr.addEventListener("abort", () => reject(new ApiError(0, "the upload was cancelled")));
+    const form = new FormData();
+    form.append("file", file, file.name);
+    xhr.send(form);
+  });
+}
 
 /**
  * Right after Stop the server may not yet have noticed the closed connection and still be saving
@@ -81,12 +122,24 @@ async function fetchRetryingBusy(path, init) {
 
 /** Open a turn stream (`messages` or `regenerate`) and return the Response for sse.js. */
 export async function openTurn(id, kind, body, signal) {
-  const res = await fetchRetryingBusy(`${conv(id)}/${kind}`, {
+  const post = (b) => fetchRetryingBusy(`${conv(id)}/${kind}`, {
     method: "POST",
     headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-    body: JSON.stringify(body),
+    body: JSON.stringify(b),
     signal,
   });
-  if (!res.ok) throw new ApiError(res.status, await readDetail(res));
+  let res = await post(body);
+  if (!res.ok) {
+    const detail = await readDetail(res);
+    // A server without `attachment_ids` on messages still lets its tools read the conversation's
+    // files: send the text alone rather than refuse the message.
+    if (res.status === 422 && body.attachment_ids && /attachment_ids/.test(describeDetail(detail))) {
+      const { attachment_ids: _unsupported, ...plain } = body;
+      res = await post(plain);
+      if (!res.ok) throw new ApiError(res.status, await readDetail(res));
+      return res;
+    }
+    throw new ApiError(res.status, detail);
+  }
   return res;
 }

@@ -2,8 +2,10 @@
 // their actions, the header meters. Rendering lives in views.js/activity.js/markdown.js, the wire in
 // api.js/sse.js; this module decides what happens when.
 
-import { api, ApiError, openTurn } from "./api.js";
+import { api, ApiError, exportUrl, openTurn, upload } from "./api.js";
 import { showAccountLogin, startAuth } from "./auth.js";
+import { Files } from "./files.js";
+import { SearchBox } from "./search.js";
 import { readEvents } from "./sse.js";
 import { SettingsPanel } from "./settings.js";
 import { UNTITLED, button, node, tierLabel } from "./ui.js";
@@ -40,7 +42,12 @@ const state = {
   models: null,
   modelIndex: new Map(),
   presets: [],
+  tools: [],
   conversations: [],
+  // The sidebar lists archived conversations instead of the others.
+  archivedView: false,
+  // Whether the server knows `pinned`/`archived` (its list entries carry them); null until read.
+  organizes: null,
   conv: null,
   // The turn streaming now: {convId, controller, view, userEl}.
   turn: null,
@@ -60,9 +67,24 @@ const settings = new SettingsPanel({
   models: () => state.models,
   modelsChanged: loadModels,
   presets: () => state.presets,
+  presetsChanged: async () => {
+    state.presets = await api.presets();
+  },
+  tools: () => state.tools,
   health: () => state.health,
   memoryChanged: () => refresh({ transcript: false }),
 });
+
+const files = new Files({
+  conversation: () => state.conv,
+  conversationChanged: (conv) => {
+    state.conv = conv;
+    renderHeader();
+  },
+  toast: (text) => toast(text),
+});
+
+const search = new SearchBox({ open: (id, messageId) => openAt(id, messageId).catch(showError) });
 
 // ---------------------------------------------------------------- drafts
 
@@ -108,7 +130,10 @@ async function loadModels() {
 }
 
 async function loadList() {
-  state.conversations = await api.conversations();
+  const list = await api.conversations({ archived: state.archivedView });
+  state.organizes = list.length ? "pinned" in list[0] : state.organizes;
+  // A server without archiving has no archived view: the list is everything.
+  state.conversations = state.archivedView && state.organizes ? list.filter((c) => c.archived) : list;
   renderList();
 }
 
@@ -132,7 +157,10 @@ async function openConversation(id) {
   if (state.turn) stop();
   clearFailure();
   const conv = await api.conversation(id);
+  const left = state.conv;
   state.conv = conv;
+  await discardIfUntouched(left);
+  await files.load(id);
   history.replaceState(null, "", `#${encodeURIComponent(id)}`);
   el.composer.value = localStorage.getItem(draftKey(id)) || "";
   autosize();
@@ -149,6 +177,7 @@ async function openConversation(id) {
  * after a first message that failed, does not pile up empty conversations.
  */
 async function newConversation() {
+  if (state.archivedView) await showArchived(false);
   const conv = (await findUntouched()) ?? (await api.createConversation({ model: el.picker.value || undefined }));
   await loadList();
   await openConversation(conv.id);
@@ -157,16 +186,39 @@ async function newConversation() {
   document.body.dataset.newCount = String(Number(document.body.dataset.newCount || 0) + 1);
 }
 
+/**
+ * A conversation left exactly as it was made (see `isUntouched`, and no files) is deleted when the
+ * person opens another one: empty conversations never pile up in the list.
+ */
+async function discardIfUntouched(conv) {
+  if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return;
+  if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return;
+  if (!isUntouched(conv)) return;
+  try {
+    await api.deleteConversation(conv.id);
+  } catch {
+    return; // it stays; nothing is lost
+  }
+  state.reusable.delete(conv.id);
+  state.conversations = state.conversations.filter((c) => c.id !== conv.id);
+  renderList();
+}
+
+// The server names a new conversation with the same words the page shows for no title.
+const untitled = (title) => !title || title === UNTITLED;
+
+function isUntouched(conv) {
+  return !conv.messages?.length && !conv.archive?.length && untitled(conv.title) && !conv.pinned &&
+    (conv.created_at === conv.updated_at || state.reusable.has(conv.id));
+}
+
 async function findUntouched() {
-  // The server names a new conversation with the same words the page shows for no title.
-  const untitled = (title) => !title || title === UNTITLED;
   const candidates = state.conversations.filter((c) => c.message_count === 0 && untitled(c.title)).slice(0, 5);
   for (const c of candidates) {
     if (localStorage.getItem(draftKey(c.id))) continue;
+    if (c.id === state.conv?.id && (files.count || files.pending.length)) continue;
     const conv = c.id === state.conv?.id ? state.conv : await api.conversation(c.id).catch(() => null);
-    const untouched = conv && !conv.messages.length && !conv.archive?.length && untitled(conv.title) &&
-      (conv.created_at === conv.updated_at || state.reusable.has(conv.id));
-    if (untouched) return conv;
+    if (conv && isUntouched(conv)) return conv;
   }
   return null;
 }
@@ -194,6 +246,11 @@ function renderPicker() {
 
 function renderList() {
   el.list.replaceChildren(...state.conversations.map(renderListItem));
+  $("show-archived").hidden = !state.organizes && !state.archivedView;
+  $("list-head").hidden = !state.archivedView;
+  if (state.archivedView && !state.conversations.length) {
+    el.list.append(node("li", "faint conv-empty", "No archived conversations."));
+  }
 }
 
 function renderListItem(c) {
@@ -223,7 +280,22 @@ function renderListItem(c) {
   const del = button("🗑", { className: "icon small conv-delete", label: `Delete “${title}”` });
   del.addEventListener("click", () => confirmDelete(del, c));
   del.addEventListener("blur", () => disarmDelete(del));
-  li.append(open, rename, del);
+  li.append(open);
+  // Pin and archive only where the server keeps them (its entries carry the fields).
+  if ("pinned" in c) {
+    li.classList.toggle("pinned", !!c.pinned);
+    const pin = button("📌", { className: "icon small conv-pin", label: c.pinned ? `Unpin “${title}”` : `Pin “${title}”` });
+    pin.dataset.test = "pin-toggle";
+    pin.setAttribute("aria-pressed", String(!!c.pinned));
+    pin.addEventListener("click", () => organize(c.id, { pinned: !c.pinned }).catch(showError));
+    const archive = button(c.archived ? "⇪" : "🗄", {
+      className: "icon small conv-archive", label: c.archived ? `Unarchive “${title}”` : `Archive “${title}”`,
+    });
+    archive.dataset.test = "archive-toggle";
+    archive.addEventListener("click", () => organize(c.id, { archived: !c.archived }).catch(showError));
+    li.append(pin, archive);
+  }
+  li.append(rename, del);
   return li;
 }
 
@@ -292,8 +364,58 @@ async function deleteConversation(id) {
   else await newConversation();
 }
 
+/** PATCH pinned/archived; a server that refuses the fields loses the controls, not the person's time. */
+async function organize(id, patch) {
+  let updated;
+  try {
+    updated = await api.patchConversation(id, patch);
+  } catch (err) {
+    if (err.status === 422 && /pinned|archived/.test(err.message)) {
+      state.organizes = false;
+      for (const c of state.conversations) {
+        delete c.pinned;
+        delete c.archived;
+      }
+      renderList();
+      renderHeader();
+      toast("This server cannot pin or archive conversations yet.");
+      return;
+    }
+    throw err;
+  }
+  if (state.conv?.id === id) {
+    state.conv = updated;
+    renderHeader();
+  }
+  await loadList();
+}
+
+async function showArchived(on) {
+  state.archivedView = on;
+  $("show-archived").setAttribute("aria-pressed", String(on));
+  $("show-archived").textContent = on ? "All conversations" : "Archived";
+  await loadList();
+}
+
+function renderMenu() {
+  const conv = state.conv;
+  for (const [id, format] of [["export-md", "md"], ["export-json", "json"]]) {
+    const link = $(id);
+    if (conv) link.href = exportUrl(conv.id, format);
+    else link.removeAttribute("href");
+  }
+  const organizes = !!conv && state.organizes !== false && "pinned" in conv;
+  $("menu-pin").hidden = !organizes;
+  $("menu-archive").hidden = !organizes;
+  if (organizes) {
+    $("menu-pin").textContent = conv.pinned ? "Unpin" : "Pin";
+    $("menu-archive").textContent = conv.archived ? "Unarchive" : "Archive";
+  }
+}
+
 function renderHeader() {
   const conv = state.conv;
+  renderMenu();
   el.title.textContent = conv?.title || UNTITLED;
   document.title = conv?.title ? `${conv.title} · Chat` : "Chat";
   renderPicker();
@@ -329,7 +451,7 @@ function isReasoning(model) {
 function renderTranscript() {
   const stick = nearBottom();
   const messages = state.conv?.messages || [];
-  const options = { reasoning: isReasoning };
+  const options = { reasoning: isReasoning, userExtra: (m) => files.chipsFor(m) };
   const notices = [...(state.conv?.archive || []), ...messages].filter((m) => m.role === "notice");
   const archive = renderArchive(state.conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
   // Re-reading the conversation keeps folded history open if the person opened it.
@@ -384,12 +506,22 @@ function scrollToBottom(force = false) {
 async function send() {
   const text = el.composer.value;
   if (state.turn || !state.conv || !text.trim()) return;
+  if (files.uploading) {
+    toast("A file is still uploading: send once its chip is ready.");
+    return;
+  }
   clearFailure();
   setComposer("");
+  const sentFiles = files.ready();
+  const attachmentIds = sentFiles.map((f) => f.id);
+  const body = attachmentIds.length ? { content: text, attachment_ids: attachmentIds } : { content: text };
   const userEl = renderUser({ content: text });
+  const chips = files.chipsFor({ attachment_ids: attachmentIds });
+  if (chips) userEl.append(chips);
+  files.clearPending();
   el.messages.append(userEl);
   el.greeting.hidden = true;
-  await runTurn("messages", { content: text }, { userEl, text });
+  await runTurn("messages", body, { userEl, text, sentFiles });
 }
 
 async function regenerate() {
@@ -406,12 +538,12 @@ function stop() {
 }
 
 /** Run one turn stream to its end, then settle the transcript by what ended it. */
-async function runTurn(kind, body, { userEl = null, text = null }) {
+async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] }) {
   const conv = state.conv;
   const view = new AssistantView({ model: conv.model, reasoning: isReasoning(conv.model) });
   view.startStreaming();
   el.messages.append(view.el);
-  const turn = { convId: conv.id, controller: new AbortController(), view, userEl };
+  const turn = { convId: conv.id, controller: new AbortController(), view, userEl, sentFiles };
   state.turn = turn;
   setStreaming(true);
   scrollToBottom(true);
@@ -494,6 +626,7 @@ async function settleTurn(turn, outcome, text) {
       if (data.draft != null) {
         userEl?.remove();
         returnDraft(turn.convId, data.draft);
+        files.restore(turn.convId, turn.sentFiles);
       }
       if (!data.partial && view.isEmpty) view.el.remove();
       else view.setFinal("interrupted");
@@ -511,7 +644,10 @@ async function settleTurn(turn, outcome, text) {
       // the same again only helps when the server was busy or failed, not when it said no.
       userEl?.remove();
       view.el.remove();
-      if (text != null) returnDraft(turn.convId, text);
+      if (text != null) {
+        returnDraft(turn.convId, text);
+        files.restore(turn.convId, turn.sentFiles);
+      }
       if (!here) return;
       const status = outcome.error.status;
       state.failure = {
@@ -538,6 +674,7 @@ async function settleTurn(turn, outcome, text) {
         userEl?.remove();
         state.failure.draft = text;
         returnDraft(turn.convId, text);
+        files.restore(turn.convId, turn.sentFiles);
       }
       renderFailure();
     }
@@ -728,6 +865,92 @@ function chooseModel() {
   }
 }
 
+// ---------------------------------------------------------------- search, import, shortcuts
+
+/** Open a conversation at one message (a search hit), scrolled to it and marked for a moment. */
+async function openAt(id, messageId) {
+  if (state.archivedView && !state.conversations.some((c) => c.id === id)) await showArchived(false);
+  await openConversation(id);
+  if (!messageId) return;
+  const target = el.messages.querySelector(`[data-id="${CSS.escape(messageId)}"]`);
+  if (!target) return;
+  const folded = target.closest("details");
+  if (folded) folded.open = true;
+  for (const old of el.messages.querySelectorAll("[data-highlighted]")) old.removeAttribute("data-highlighted");
+  target.dataset.highlighted = "true";
+  target.scrollIntoView({ block: "center" });
+  setTimeout(() => target.removeAttribute("data-highlighted"), 4000);
+}
+
+async function importFile(file) {
+  const box = $("import-box");
+  const bar = $("import-progress");
+  const status = $("import-status");
+  status.classList.remove("error-text");
+  status.textContent = `Uploading ${file.name}…`;
+  bar.value = 0;
+  box.hidden = false;
+  try {
+    const result = await upload("/api/import", file, (fraction) => {
+      bar.value = fraction;
+      // The server reads the whole file once it has arrived.
+      if (fraction >= 1) status.textContent = `Reading ${file.name}…`;
+    });
+    const n = result.imported.length;
+    status.textContent = `Imported ${n} ${n === 1 ? "conversation" : "conversations"}.`;
+    if (state.archivedView) await showArchived(false);
+    else await loadList();
+  } catch (err) {
+    status.textContent = `Not imported: ${err.message}`;
+    status.classList.add("error-text");
+  } finally {
+    box.hidden = true;
+  }
+}
+
+async function copyLastReply() {
+  if (!state.conv) return;
+  // Read from the server: a reply that just finished may not be in the page's copy yet.
+  const conv = await api.conversation(state.conv.id);
+  const last = conv.messages.filter((m) => m.role === "assistant" && m.content).at(-1);
+  if (!last) {
+    toast("There is no reply to copy yet.");
+    return;
+  }
+  await copyText(last.content);
+  toast("Copied the last reply as Markdown.");
+}
+
+function typingInField(target) {
+  return target instanceof HTMLElement &&
+    (target.isContentEditable || ["INPUT", "TEXTAREA", "SELECT"].includes(target.tagName));
+}
+
+function onShortcut(e) {
+  const mod = e.ctrlKey || e.metaKey;
+  const key = e.key.toLowerCase();
+  if (mod && !e.shiftKey && !e.altKey && key === "k") {
+    e.preventDefault();
+    for (const dialog of document.querySelectorAll("dialog[open]")) if (dialog.id !== "search") return;
+    search.show();
+  } else if (mod && e.shiftKey && key === "o") {
+    e.preventDefault();
+    newConversation().catch(showError);
+  } else if (mod && e.shiftKey && key === "c") {
+    e.preventDefault();
+    copyLastReply().catch(showError);
+  } else if (e.key === "Escape") {
+    // An open dialog takes Esc for itself; otherwise it stops a reply, then closes the sidebar.
+    if (document.querySelector("dialog[open]") || e.target.classList?.contains("conv-rename")) return;
+    if ($("conv-menu").open) $("conv-menu").open = false;
+    else if (el.app.classList.contains("sidebar-open")) closeSidebar();
+    else if (state.turn) stop();
+  } else if (e.key === "?" && !mod && !e.altKey && !typingInField(e.target) && !document.querySelector("dialog[open]")) {
+    e.preventDefault();
+    $("shortcuts").showModal();
+  }
+}
+
 // ---------------------------------------------------------------- misc
 
 let toastTimer = null;
@@ -859,8 +1082,30 @@ function wire() {
   el.sidebarToggle.addEventListener("click", () =>
     el.app.classList.contains("sidebar-open") ? closeSidebar() : openSidebar());
   el.scrim.addEventListener("click", closeSidebar);
-  document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && el.app.classList.contains("sidebar-open")) closeSidebar();
+  document.addEventListener("keydown", onShortcut);
+  $("search-open").addEventListener("click", () => search.show());
+  $("files-open").addEventListener("click", () => files.openPanel().catch(showError));
+  $("import").addEventListener("click", () => $("import-input").click());
+  $("import-input").addEventListener("change", (e) => {
+    const [file] = e.target.files;
+    e.target.value = "";
+    if (file) importFile(file);
+  });
+  $("show-archived").addEventListener("click", () => showArchived(!state.archivedView).catch(showError));
+  $("shortcuts-open").addEventListener("click", () => $("shortcuts").showModal());
+  $("shortcuts-close").addEventListener("click", () => $("shortcuts").close());
+  if (/Mac|iPhone|iPad/.test(navigator.platform)) for (const k of document.querySelectorAll("kbd.mod")) k.textContent = "⌘";
+  $("menu-pin").addEventListener("click", () => {
+    $("conv-menu").open = false;
+    if (state.conv) organize(state.conv.id, { pinned: !state.conv.pinned }).catch(showError);
+  });
+  $("menu-archive").addEventListener("click", () => {
+    $("conv-menu").open = false;
+    if (state.conv) organize(state.conv.id, { archived: !state.conv.archived }).catch(showError);
+  });
+  for (const id of ["export-md", "export-json"]) $(id).addEventListener("click", () => { $("conv-menu").open = false; });
+  document.addEventListener("click", (e) => {
+    if (!$("conv-menu").contains(e.target)) $("conv-menu").open = false;
   });
   el.messages.addEventListener("click", (e) => {
     const copy = e.target.closest("button.copy");
@@ -879,14 +1124,16 @@ function wire() {
 
 async function boot() {
   wire();
-  const [health, presets] = await Promise.all([
+  const [health, presets, tools] = await Promise.all([
     api.health().catch(() => null),
     api.presets().catch(() => []),
+    api.tools().catch(() => []),
     loadModels(),
     loadList(),
   ]);
   state.health = health;
   state.presets = presets;
+  state.tools = tools;
   el.banner.hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
   const wanted = hashId();
   const target = state.conversations.find((c) => c.id === wanted) || state.conversations[0];

@@ -4,6 +4,7 @@
 // page does not second-guess the server's validation.
 
 import { api } from "./api.js";
+import { PresetEditor, checkedTools, renderToolChecks } from "./preseteditor.js";
 import { TIERS, node, tierLabel } from "./ui.js";
 
 const $ = (id) => document.getElementById(id);
@@ -11,7 +12,7 @@ const $ = (id) => document.getElementById(id);
 export class SettingsPanel {
   /**
    * `app` supplies `conversation()` (the open one), `conversationChanged(conv)`, `models()`,
-   * `modelsChanged()`, `presets()`, `health()` and `memoryChanged()`.
+   * `modelsChanged()`, `presets()`, `presetsChanged()`, `tools()`, `health()` and `memoryChanged()`.
    */
   constructor(app) {
     this.app = app;
@@ -26,6 +27,16 @@ export class SettingsPanel {
       compression_prompt: $("set-compression-prompt"),
     };
     this.memory = $("memory-editor");
+    this.tools = $("set-tools-list");
+    // False once the server refused `settings.tools` (an older server): the checklist goes away.
+    this.toolsSupported = true;
+    this.presetEditor = new PresetEditor({
+      ...app,
+      presetsChanged: async () => {
+        await app.presetsChanged();
+        this.refreshPresetOptions();
+      },
+    });
     // The memory text as last read or saved, to tell an edit from no change.
     this.savedMemory = null;
     $("settings-close").addEventListener("click", () => this.requestClose());
@@ -69,6 +80,7 @@ export class SettingsPanel {
       setStatus("settings-status", err.message, true);
     }
     this.fillConversation();
+    this.presetEditor.render();
     this.renderLineup();
     this.renderGateway();
     if (!this.dialog.open) this.dialog.showModal();
@@ -90,6 +102,41 @@ export class SettingsPanel {
     this.fields.tool_instructions.value = s.tool_instructions ?? "";
     this.fields.compression_prompt.value = s.compression_prompt ?? "";
     for (const field of Object.values(this.fields)) field.disabled = !conv;
+    this.fillTools(s.tools ?? this.allowedTools());
+  }
+
+  /** The preset choices after a preset was made or deleted, keeping what is chosen (and unsaved). */
+  refreshPresetOptions() {
+    const preset = this.fields.preset;
+    const value = preset.value;
+    const presets = this.app.presets();
+    preset.replaceChildren(new Option("Custom", ""), ...presets.map((p) => new Option(p.name, p.name)));
+    preset.value = presets.some((p) => p.name === value) ? value : "";
+  }
+
+  /** The tools the chosen preset allows: the conversation picks among these (a custom persona keeps its own). */
+  allowedTools() {
+    const settings = this.app.conversation()?.settings || {};
+    const name = this.fields.preset.value || settings.preset;
+    return this.app.presets().find((p) => p.name === name)?.tools ?? settings.tools ?? [];
+  }
+
+  fillTools(checked) {
+    const allowed = this.allowedTools();
+    renderToolChecks(this.tools, allowed, this.app.tools(), checked);
+    $("set-tools-none").hidden = allowed.length > 0;
+    $("set-tools").hidden = !this.app.conversation()?.settings?.tools;
+    for (const box of this.tools.querySelectorAll("input")) box.disabled = !this.toolsSupported;
+    $("set-tools-note").hidden = this.toolsSupported;
+  }
+
+  /** The tool choice when it differs from the server's, else null. */
+  changedTools(current) {
+    if ($("set-tools").hidden || !this.toolsSupported) return null;
+    const next = checkedTools(this.tools);
+    const now = current.tools ?? [];
+    const same = next.length === now.length && next.every((t) => now.includes(t));
+    return same ? null : next;
   }
 
   /** Whether anything in the panel differs from what the server holds. */
@@ -97,7 +144,8 @@ export class SettingsPanel {
     const conv = this.app.conversation();
     const settings = conv ? this.changedSettings(conv.settings || {}) : {};
     const memory = this.savedMemory !== null && this.memory.value !== this.savedMemory;
-    return Object.keys(settings).length > 0 || memory;
+    const tools = conv ? this.changedTools(conv.settings || {}) : null;
+    return Object.keys(settings).length > 0 || memory || tools !== null;
   }
 
   requestClose() {
@@ -124,7 +172,10 @@ export class SettingsPanel {
 
   choosePreset() {
     const chosen = this.app.presets().find((p) => p.name === this.fields.preset.value);
-    if (chosen) this.fields.system_prompt.value = chosen.text;
+    if (chosen) {
+      this.fields.system_prompt.value = chosen.text;
+      this.fillTools(chosen.tools ?? []);
+    }
   }
 
   /** Only changed fields are sent: PATCH settings is partial and each change has its own cost. */
@@ -155,7 +206,8 @@ export class SettingsPanel {
     const conv = this.app.conversation();
     const settings = conv ? this.changedSettings(conv.settings || {}) : {};
     const memoryChanged = this.savedMemory !== null && this.memory.value !== this.savedMemory;
-    if (!Object.keys(settings).length && !memoryChanged) {
+    const tools = conv ? this.changedTools(conv.settings || {}) : null;
+    if (!Object.keys(settings).length && !memoryChanged && tools === null) {
       setStatus("settings-status", "Nothing changed.");
       return;
     }
@@ -167,6 +219,7 @@ export class SettingsPanel {
         this.fillConversation();
         done.push("this conversation's settings");
       }
+      if (tools !== null) await this.saveTools(conv.id, tools, done);
       if (memoryChanged) {
         const saved = await api.saveMemory(this.memory.value);
         this.savedMemory = saved.text;
@@ -174,10 +227,27 @@ export class SettingsPanel {
         done.push("memory");
         this.app.memoryChanged();
       }
-      setStatus("settings-status", `Saved ${done.join(" and ")}.`);
+      setStatus("settings-status", done.length ? `Saved ${done.join(" and ")}.` : "Nothing changed.");
     } catch (err) {
       const kept = done.length ? ` (${done.join(" and ")} saved)` : "";
       setStatus("settings-status", err.message + kept, true);
+    }
+  }
+
+  /**
+   * The tool choice goes on its own, so a server that does not know it refuses nothing else; such a
+   * server's refusal leaves the checklist read-only, saying why, and is not an error of the save.
+   */
+  async saveTools(id, tools, done) {
+    try {
+      const updated = await api.patchConversation(id, { settings: { tools } });
+      this.app.conversationChanged(updated);
+      this.fillConversation();
+      if (!done.length) done.push("this conversation's tools");
+    } catch (err) {
+      if (err.status !== 422 || !/tools/.test(err.message) || !/[Ee]xtra/.test(err.message)) throw err;
+      this.toolsSupported = false;
+      this.fillConversation();
     }
   }
 

@@ -153,8 +153,14 @@ export function renderNotice(message, test = "message") {
 }
 
 /** One saved message as its transcript element. */
-export function renderMessage(m, { reasoning = () => false, test = "message" } = {}) {
-  if (m.role === "user") return renderUser(m, test);
+export function renderMessage(m, { reasoning = () => false, test = "message", userExtra = () => null } = {}) {
+  if (m.role === "user") {
+    const el = renderUser(m, test);
+    // What the page adds under a sent message (its attachment chips), when there is any.
+    const extra = userExtra(m);
+    if (extra) el.append(extra);
+    return el;
+  }
   if (m.role === "notice") return renderNotice(m, test);
   const view = AssistantView.fromMessage(m, { reasoning: reasoning(m.model) });
   view.el.dataset.test = test;
