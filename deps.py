@@ -12,16 +12,18 @@ from fastapi import Depends, Request
 
 from config import ModelInfo, Settings
 from storage import LOCAL_OWNER, OwnerStore, Store
+from turn_hub import LocalTurnHub, TurnHub
 from turns import Turns
 
 
 class State:
     """What lifespan builds; tests reach it as `app.state.chat`."""
 
-    def __init__(self, settings: Settings, store: Store, turns: Turns) -> None:
+    def __init__(self, settings: Settings, store: Store, turns: Turns, hub: TurnHub | None = None) -> None:
         self.settings = settings
         self.store = store
         self.turns = turns
+        self.hub = hub if hub is not None else LocalTurnHub(turns)
 
     async def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()

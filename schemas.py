@@ -61,7 +61,7 @@ class Message(TypedDict):
     content: str
     created_at: str
     model: NotRequired[str]
-    status: NotRequired[Literal["complete", "interrupted"]]
+    status: NotRequired[Literal["complete", "interrupted", "streaming"]]
     activity: NotRequired[list[ActivityStep]]
     citations: NotRequired[list[Citation]]
     usage: NotRequired[Usage]
@@ -93,6 +93,11 @@ class ContextBar(TypedDict):
     measured: bool
 
 
+class RunningTurn(TypedDict):
+    assistant_message_id: str
+    events: int  # how many events the turn has sent so far: the last SSE id
+
+
 class Conversation(TypedDict):
     id: str
     title: str
@@ -107,6 +112,7 @@ class Conversation(TypedDict):
     totals: Totals
     context: ContextBar
     streaming: bool
+    turn: RunningTurn | None
 
 
 class ConversationEntry(TypedDict):

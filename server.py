@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             try:
                 yield
             finally:
+                await app.state.chat.hub.close()  # running turns save what arrived before the store closes
                 await store.flush()
                 if demo is not None:
                     await demo.stop_async()

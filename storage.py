@@ -181,6 +181,33 @@ def check_shape(conv: dict) -> None:
             raise ValueError("messages holds an entry without a string id, role and content")
 
 
+def recover_interrupted(conv: dict) -> bool:
+    """Replies left `streaming` by a turn that no longer runs become `interrupted`; True if any did.
+
+    Call it only while no turn holds the conversation's lock: a checkpoint is then all that is
+    left of a reply whose process died (SIGKILL, power cut). Its usage is an estimate and says so,
+    and it is counted in the totals as the final save would have counted it.
+    """
+    found = False
+    totals = conv["totals"]
+    for message in conv["messages"]:
+        if message.get("role") != "assistant" or message.get("status") != "streaming":
+            continue
+        found = True
+        message["status"] = "interrupted"
+        usage = message.get("usage")
+        if isinstance(usage, dict):
+            usage["estimated"] = True
+            for key in ("input_tokens", "output_tokens", "cached_tokens", "searches", "fetches"):
+                totals[key] = totals.get(key, 0) + (usage.get(key) or 0)
+            if usage.get("cost") is None:
+                totals["cost_unreported"] = totals.get("cost_unreported", 0) + 1
+            else:
+                totals["cost"] = round(totals.get("cost", 0) + usage["cost"], 10)
+        totals["turns"] = totals.get("turns", 0) + 1
+    return found
+
+
 def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
                     before_write: Callable[[Path, bytes], None] | None = None) -> tuple[int, int]:
     for name, data in snapshot.segments:
@@ -383,6 +410,9 @@ class FileStore:
             check_shape(conv)
         except (ValueError, TypeError, AttributeError) as exc:
             raise Damaged(path, str(exc) or type(exc).__name__) from None
+        if conv_id not in self._turn_locks and recover_interrupted(conv):
+            # Read as recovered at once; the file catches up with the conversation's next write.
+            log.warning("conversation %s: a reply left streaming by a stopped process is now interrupted", conv_id)
         self._cache[conv_id] = (stamp, conv)
         self._sealed[conv_id] = sealed
         return conv

@@ -379,7 +379,12 @@ class Turns:
             message["error"] = error
 
         def append(c: dict) -> None:
-            c["messages"].append(message)
+            messages = c["messages"]
+            # The reply's last checkpoint (status "streaming") is replaced: the reply is stored once.
+            if messages and messages[-1]["id"] == message["id"]:
+                messages[-1] = message
+            else:
+                messages.append(message)
             add_usage(c["totals"], usage)
             c["totals"]["turns"] += 1
             if not usage["estimated"]:

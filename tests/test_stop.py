@@ -1,13 +1,22 @@
-"""Stop through a real uvicorn server: the upstream socket closes and the partial reply is kept."""
+"""Hang-up-stops (ON_DISCONNECT=stop) through a real uvicorn server: the upstream socket closes and
+the partial reply is kept. The default, where a turn outlives its page, is in test_reattach.py."""
 
 from __future__ import annotations
 
 import time
 
 import httpx
+import pytest
 
 from simulator import Script, steps
-from support import hang_up_after_first_delta
+from support import LiveServer, hang_up_after_first_delta
+
+
+@pytest.fixture
+def live_server(tmp_path, sim):
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "ON_DISCONNECT": "stop"})
+    yield server
+    server.stop()
 
 
 def start_conversation(server) -> str:
