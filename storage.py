@@ -25,6 +25,10 @@ process. Every conversation belongs to an owner; an owner's view answers NotFoun
 owner's id exactly as for an unknown one. Turn locks live here too, so that "a turn is running on
 this conversation" is a fact of the store, not of one process's memory.
 
+A reply a turn left `status: "streaming"` (its checkpoint) while no turn holds the
+conversation's lock belongs to a process that died: every store reads it as `interrupted`
+(`recover_interrupted`), so nothing shows as streaming forever and a new turn can start at once.
+
 This module knows files and ids, not turns or wire formats.
 """
 
