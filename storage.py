@@ -650,6 +650,9 @@ class FileOwnerStore:
     async def unlock_turn(self, lock: TurnLock) -> None:
         if self.files._turn_locks.get(lock.conv_id) is lock:
             del self.files._turn_locks[lock.conv_id]
+            # A reply its turn could not save (its final write failed) must not read as streaming.
+            if (cached := self.files._cache.get(lock.conv_id)) is not None:
+                recover_interrupted(cached[1])
 
     async def turn_locked(self, conv_id: str) -> bool:
         return conv_id in self.files._turn_locks

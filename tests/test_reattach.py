@@ -16,6 +16,7 @@ import pytest
 
 from config import Settings
 from simulator import Script, steps
+from storage import FileStore, new_id, now_iso
 from support import LiveServer, hang_up_after_first_delta, serve
 
 PIECES = [f"piece{i} " for i in range(40)]
@@ -297,7 +298,13 @@ async def test_checkpoints_show_the_growing_reply_and_the_final_save_replaces_th
     assert conv["messages"][1]["id"] == partial["id"] and conv["totals"]["turns"] == 1
 
 
-async def test_stream_route_answers_204_404_and_refuses_a_bad_last_event_id(client):
+async def test_stream_route_answers_204_404_and_refuses_a_bad_last_event_id(client, app):
+    theirs = await app.state.chat.store.for_owner("someone-else").create(
+        {"id": new_id(), "title": "theirs", "model": "m", "created_at": now_iso(), "updated_at": now_iso()})
+    for method, path in (("GET", "stream"), ("POST", "stop")):
+        answer = await client.request(method, f"/api/conversations/{theirs['id']}/{path}",
+                                      json={} if method == "POST" else None)
+        assert answer.status_code == 404, (method, path)
     conv_id = (await client.post("/api/conversations", json={})).json()["id"]
     assert (await client.get(f"/api/conversations/{conv_id}/stream")).status_code == 204
     assert (await client.get(f"/api/conversations/{conv_id}/stream?after=3")).status_code == 204
@@ -365,3 +372,44 @@ async def test_a_stalled_reader_never_holds_the_turn(tmp_path, sim, on_disconnec
         call.cancel()
         with contextlib.suppress(BaseException):
             await call
+
+
+# --- The recovery rule in the file store: "streaming" with no turn lock held reads as interrupted ---
+
+def with_checkpoint(conv: dict) -> dict:
+    usage = {"input_tokens": 12, "output_tokens": 3, "cached_tokens": 0, "cache_write_tokens": 0,
+             "cost": None, "searches": 0, "fetches": 0, "estimated": True}
+    return {**conv, "messages": [
+        {"id": new_id(), "role": "user", "content": "hi", "created_at": now_iso()},
+        {"id": new_id(), "role": "assistant", "content": "Half a", "created_at": now_iso(), "model": "m",
+         "status": "streaming", "activity": [], "citations": [], "usage": usage}]}
+
+
+async def test_a_checkpoint_stays_streaming_while_its_lock_is_held_and_is_interrupted_once_it_is_not(tmp_path):
+    files = FileStore(tmp_path / "data")
+    mine = files.for_owner("local")
+    conv = await mine.create({"id": new_id(), "title": "t", "model": "m", "created_at": now_iso(),
+                              "updated_at": now_iso()})
+    path = tmp_path / "data" / "conversations" / f"{conv['id']}.json"
+    lock = await mine.lock_turn(conv["id"])
+    # The turn's checkpoint lands on disk (written by the process that holds the lock).
+    path.write_bytes(orjson.dumps(with_checkpoint(orjson.loads(path.read_bytes()))))
+
+    assert (await mine.get(conv["id"]))["messages"][-1]["status"] == "streaming"
+    assert (await mine.get(conv["id"]))["totals"]["turns"] == 0
+
+    await mine.unlock_turn(lock)
+    reply = (await mine.get(conv["id"]))["messages"][-1]
+    assert (reply["status"], reply["content"], reply["usage"]["estimated"]) == ("interrupted", "Half a", True)
+    assert (await mine.get(conv["id"]))["totals"]["turns"] == 1
+
+    # A fresh process reads the same file the same way, and counts the reply once.
+    again = FileStore(tmp_path / "data").for_owner("local")
+    conv = await again.get(conv["id"])
+    assert conv["messages"][-1]["status"] == "interrupted" and conv["totals"]["turns"] == 1
+    assert (conv["totals"]["output_tokens"], conv["totals"]["cost_unreported"]) == (3, 1)
+    # The next change writes the recovered reply to disk; reading it back changes nothing more.
+    await again.update(conv["id"], lambda c: c.update(title="renamed"))
+    stored = orjson.loads(path.read_bytes())
+    assert stored["messages"][-1]["status"] == "interrupted" and stored["totals"]["turns"] == 1
+    assert (await FileStore(tmp_path / "data").for_owner("local").get(conv["id"]))["totals"]["turns"] == 1
