@@ -7,15 +7,19 @@ wire format upstream.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 
 from events import (
     Compressed, FetchDone, ReasoningDelta, SearchResults, SearchStarted, TextDelta, TurnDone, TurnEvent,
     TurnFailed, TurnStarted, TurnWarning,
 )
+
+log = logging.getLogger("chat.streaming")
 
 
 def frame(name: str, data: dict, seq: int | None = None) -> bytes:
@@ -90,6 +94,9 @@ class TurnResponse(EventSourceResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            # A reader that stopped reading (a frozen tab, a dead network path): not a server fault.
+            log.info("dropped a turn stream whose reader accepted nothing for %ss", self.send_timeout)
         finally:
             if self._closed is not None:
                 await self._closed()
