@@ -98,6 +98,9 @@ class RunningTurn:
         """`Conversation.turn`: the reply being written and how many events it has sent."""
         return {"assistant_message_id": self.turn.assistant_id, "events": len(self.log.frames)}
 
+    def follow(self, after: int) -> AsyncIterator[bytes]:
+        return self.log.follow(after)
+
     async def stop(self) -> None:
         """Cancel the turn and wait (bounded) until it has saved what arrived and let go."""
         if self.finished or self.task is None:
@@ -141,16 +144,29 @@ class RunningTurn:
                         stored["citations"] if stored else [], status="interrupted")
 
 
-class TurnHub(Protocol):
-    """The running turns, as the routes see them (owner checks are the routes' business)."""
+class Started(Protocol):
+    """A turn just handed to a hub, as the route that began it sees it."""
 
-    def start(self, turn: Turn) -> RunningTurn:
+    def follow(self, after: int) -> AsyncIterator[bytes]:
+        """Its frames after id `after`, then the live ones, to its last."""
+
+    async def stop(self) -> None:
+        """Stop it (if it still runs) and wait until it has saved."""
+
+
+class TurnHub(Protocol):
+    """The running turns, as the routes see them (owner checks are the routes' business).
+
+    Reads are async so that a hub whose log and stop signal live in Redis fits the same shape.
+    """
+
+    def start(self, turn: Turn) -> Started:
         """Run a begun turn to its end in a task of the server's own."""
 
-    def info(self, conv_id: str) -> dict | None:
+    async def info(self, conv_id: str) -> dict | None:
         """The running turn of a conversation (`Conversation.turn`), or None."""
 
-    def follow(self, conv_id: str, after: int) -> AsyncIterator[bytes] | None:
+    async def follow(self, conv_id: str, after: int) -> AsyncIterator[bytes] | None:
         """The turn's frames after id `after`, then live ones; None when there is nothing to follow."""
 
     async def stop(self, conv_id: str) -> None:
@@ -191,11 +207,11 @@ class LocalTurnHub:
         running = self._latest.get(conv_id)
         return running if running is not None and running in self._running else None
 
-    def info(self, conv_id: str) -> dict | None:
+    async def info(self, conv_id: str) -> dict | None:
         running = self.running(conv_id)
         return running.info() if running is not None else None
 
-    def follow(self, conv_id: str, after: int) -> AsyncIterator[bytes] | None:
+    async def follow(self, conv_id: str, after: int) -> AsyncIterator[bytes] | None:
         kept = self._latest.get(conv_id)
         if kept is None or (kept.log.ended and after >= len(kept.log.frames)):
             return None

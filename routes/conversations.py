@@ -56,7 +56,7 @@ async def conversation_out(state, store: OwnerStore, conv: dict, status_code: in
     out = {k: v for k, v in conv.items() if k not in ("schema_version", "owner")}
     out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings)
     out["streaming"] = await store.turn_locked(conv["id"])
-    out["turn"] = state.hub.info(conv["id"])
+    out["turn"] = await state.hub.info(conv["id"])
     return json_answer(out, status_code)
 
 
@@ -68,7 +68,7 @@ def turn_response(state, turn: Turn) -> TurnResponse:
     """
     running = state.hub.start(turn)
     closed = running.stop if state.settings.on_disconnect == "stop" else None
-    return TurnResponse(running.log.follow(0), closed, send_timeout=state.settings.stream_send_timeout)
+    return TurnResponse(running.follow(0), closed, send_timeout=state.settings.stream_send_timeout)
 
 
 @router.get("", response_model=list[ConversationEntry])
@@ -161,7 +161,7 @@ async def follow_turn(conv_id: str, request: Request, state: StateDep, store: Ow
         if not header.strip().isdigit():
             return JSONResponse({"detail": "Last-Event-ID: must be an event id (a whole number)"}, status_code=422)
         after = int(header)
-    frames = state.hub.follow(conv_id, after or 0)
+    frames = await state.hub.follow(conv_id, after or 0)
     if frames is None:
         return Response(status_code=204)
     return TurnResponse(frames, send_timeout=state.settings.stream_send_timeout)
