@@ -204,8 +204,9 @@ class LocalTurnHub:
             del self._latest[running.conv_id]
 
     def running(self, conv_id: str) -> RunningTurn | None:
+        """The conversation's turn until its last event is out (its reply is saved by then)."""
         running = self._latest.get(conv_id)
-        return running if running is not None and running in self._running else None
+        return running if running is not None and not (running.finished or running.log.ended) else None
 
     async def info(self, conv_id: str) -> dict | None:
         running = self.running(conv_id)
