@@ -29,7 +29,7 @@ from events import (
     Compressed, Event, Reply, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning, accumulate,
 )
 from failures import UpstreamError, classify_exception
-from storage import NotFound, OwnerStore, TurnLock, new_id, now_iso
+from storage import Change, NotFound, OwnerStore, TurnLock, new_id, now_iso, recover_interrupted
 from upstream import chat
 from upstream import messages as web_tools
 from upstream.client import Gateway
@@ -151,7 +151,7 @@ class Turns:
                     c["messages"].append(user)
 
                 turn = Turn(store, lock, conv["model"], user)
-            _, turn.opening = await store.update_soon(conv_id, change, lock=lock)
+            _, turn.opening = await store.update_soon(conv_id, _settling_the_dead(change), lock=lock)
         except BaseException:
             await store.unlock_turn(lock)
             raise
@@ -396,6 +396,19 @@ class Turns:
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
         return usage
+
+
+def _settling_the_dead(change: Change) -> Change:
+    """`change`, after any reply a dead process left `streaming` is made `interrupted`.
+
+    The lock is this turn's now, so such a reply cannot be a live one, even where the store reads
+    it as streaming (a store shared by processes sees a lock held, by this very turn).
+    """
+    def settled_first(conv: dict) -> None:
+        recover_interrupted(conv)
+        change(conv)
+
+    return settled_first
 
 
 def _drop_trailing_answers(conv: dict) -> None:

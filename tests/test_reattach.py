@@ -16,8 +16,11 @@ import pytest
 
 from config import Settings
 from simulator import Script, steps
+from redis_store import RedisStore
+from redis_support import redis_server, unique_prefix  # noqa: F401  (a fixture)
 from storage import FileStore, new_id, now_iso
 from support import LiveServer, hang_up_after_first_delta, serve
+from turns import Turns
 
 PIECES = [f"piece{i} " for i in range(40)]
 WHOLE = "".join(PIECES)
@@ -413,3 +416,23 @@ async def test_a_checkpoint_stays_streaming_while_its_lock_is_held_and_is_interr
     stored = orjson.loads(path.read_bytes())
     assert stored["messages"][-1]["status"] == "interrupted" and stored["totals"]["turns"] == 1
     assert (await FileStore(tmp_path / "data").for_owner("local").get(conv["id"]))["totals"]["turns"] == 1
+
+
+async def test_a_new_turn_settles_a_reply_a_dead_process_left_streaming_on_a_shared_store(redis_server, settings):
+    """On Redis the lock the new turn holds is a lock held: only the turn's own opening change can
+    tell that the reply left streaming is nobody's."""
+    store = RedisStore(redis_server.url, prefix=unique_prefix())
+    mine = store.for_owner("local")
+    conv = await mine.create(with_checkpoint({"id": new_id(), "title": "t", "model": "m", "created_at": now_iso(),
+                                              "updated_at": now_iso(), "settings": {}}))
+    turns = Turns(settings, gateway=None)
+
+    turn = await turns.begin(mine, conv["id"], "go on")
+    await turn.opening
+    await turns.release(turn)
+
+    conv = await RedisStore(redis_server.url, prefix=store.prefix).for_owner("local").get(conv["id"])
+    assert [(m["role"], m.get("status")) for m in conv["messages"]] == [
+        ("user", None), ("assistant", "interrupted"), ("user", None)]
+    assert conv["totals"]["turns"] == 1 and conv["messages"][1]["usage"]["estimated"] is True
+    await store.close()
