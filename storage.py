@@ -194,7 +194,10 @@ def recover_interrupted(conv: dict) -> bool:
     """
     found = False
     totals = conv["totals"]
-    for message in conv["messages"]:
+    # A reply always follows the question it answers: only what comes after the last one is looked at.
+    for message in reversed(conv["messages"]):
+        if message.get("role") == "user":
+            break
         if message.get("role") != "assistant" or message.get("status") != "streaming":
             continue
         found = True
