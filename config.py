@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     web_fetch_tool_type: str = "web_fetch_20250910"
 
     upstream_timeout: float = Field(60.0, gt=0)
+    # What a dropped page connection does to its turn: nothing (it runs to its end) or Stop.
+    on_disconnect: Literal["continue", "stop"] = "continue"
+    # How often a streaming reply's partial text is written to the store; 0 turns checkpoints off.
+    checkpoint_seconds: float = Field(1.0, ge=0)
+    # A stream whose reader takes longer than this to accept one event is dropped.
+    stream_send_timeout: float = Field(30.0, gt=0)
 
     host: str = "127.0.0.1"
     port: int = 8000

@@ -15,17 +15,20 @@ from attachments import Attachments
 from auth import User, current_user
 from config import ModelInfo, Settings
 from storage import OwnerStore, Store
+from turn_hub import LocalTurnHub, TurnHub
 from turns import Turns
 
 
 class State:
     """What lifespan builds; tests reach it as `app.state.chat`."""
 
-    def __init__(self, settings: Settings, store: Store, turns: Turns, attachments: Attachments) -> None:
+    def __init__(self, settings: Settings, store: Store, turns: Turns, attachments: Attachments,
+                 hub: TurnHub | None = None) -> None:
         self.settings = settings
         self.store = store
         self.turns = turns
         self.attachments = attachments
+        self.hub = hub if hub is not None else LocalTurnHub(turns)
 
     async def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()

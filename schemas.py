@@ -63,7 +63,7 @@ class Message(TypedDict):
     # The message before it on its path (None for the first); a notice's is the message it follows.
     parent_id: NotRequired[str | None]  # notices hang from the message before them and carry none
     model: NotRequired[str]
-    status: NotRequired[Literal["complete", "interrupted"]]
+    status: NotRequired[Literal["complete", "interrupted", "streaming"]]
     activity: NotRequired[list[ActivityStep]]
     citations: NotRequired[list[Citation]]
     usage: NotRequired[Usage]
@@ -97,6 +97,11 @@ class ContextBar(TypedDict):
     measured: bool
 
 
+class RunningTurn(TypedDict):
+    assistant_message_id: str
+    events: int  # how many events the turn has sent so far: the last SSE id
+
+
 class Conversation(TypedDict):
     id: str
     title: str
@@ -116,6 +121,7 @@ class Conversation(TypedDict):
     pinned: bool
     archived: bool
     title_source: Literal["auto", "model", "user", "imported"]
+    turn: RunningTurn | None
 
 
 class ConversationEntry(TypedDict):

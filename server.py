@@ -99,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             try:
                 yield
             finally:
+                await app.state.chat.hub.close()  # running turns save what arrived before the store closes
                 if expiry is not None:
                     expiry.cancel()
                 await store.flush()

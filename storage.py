@@ -25,6 +25,10 @@ process. Every conversation belongs to an owner; an owner's view answers NotFoun
 owner's id exactly as for an unknown one. Turn locks live here too, so that "a turn is running on
 this conversation" is a fact of the store, not of one process's memory.
 
+A reply a turn left `status: "streaming"` (its checkpoint) while no turn holds the
+conversation's lock belongs to a process that died: every store reads it as `interrupted`
+(`recover_interrupted`), so nothing shows as streaming forever and a new turn can start at once.
+
 This module knows files and ids, not turns or wire formats.
 """
 
@@ -207,6 +211,36 @@ def check_shape(conv: dict) -> None:
         if not (isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
             raise ValueError("messages holds an entry without a string id, role and content")
+
+
+def recover_interrupted(conv: dict) -> bool:
+    """Replies left `streaming` by a turn that no longer runs become `interrupted`; True if any did.
+
+    Call it only while no turn holds the conversation's lock: a checkpoint is then all that is
+    left of a reply whose process died (SIGKILL, power cut). Its usage is an estimate and says so,
+    and it is counted in the totals as the final save would have counted it.
+    """
+    found = False
+    totals = conv["totals"]
+    # A reply always follows the question it answers: only what comes after the last one is looked at.
+    for message in reversed(conv["messages"]):
+        if message.get("role") == "user":
+            break
+        if message.get("role") != "assistant" or message.get("status") != "streaming":
+            continue
+        found = True
+        message["status"] = "interrupted"
+        usage = message.get("usage")
+        if isinstance(usage, dict):
+            usage["estimated"] = True
+            for key in ("input_tokens", "output_tokens", "cached_tokens", "searches", "fetches"):
+                totals[key] = totals.get(key, 0) + (usage.get(key) or 0)
+            if usage.get("cost") is None:
+                totals["cost_unreported"] = totals.get("cost_unreported", 0) + 1
+            else:
+                totals["cost"] = round(totals.get("cost", 0) + usage["cost"], 10)
+        totals["turns"] = totals.get("turns", 0) + 1
+    return found
 
 
 def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
@@ -435,6 +469,9 @@ class FileStore:
             check_shape(conv)
         except (ValueError, TypeError, AttributeError) as exc:
             raise Damaged(path, str(exc) or type(exc).__name__) from None
+        if conv_id not in self._turn_locks and recover_interrupted(conv):
+            # Read as recovered at once; the file catches up with the conversation's next write.
+            log.warning("conversation %s: a reply left streaming by a stopped process is now interrupted", conv_id)
         self._cache[conv_id] = (stamp, conv)
         self._sealed[conv_id] = sealed
         return conv
@@ -693,6 +730,9 @@ class FileOwnerStore:
     async def unlock_turn(self, lock: TurnLock) -> None:
         if self.files._turn_locks.get(lock.conv_id) is lock:
             del self.files._turn_locks[lock.conv_id]
+            # A reply its turn could not save (its final write failed) must not read as streaming.
+            if (cached := self.files._cache.get(lock.conv_id)) is not None:
+                recover_interrupted(cached[1])
 
     async def turn_locked(self, conv_id: str) -> bool:
         self._mine(conv_id)

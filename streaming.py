@@ -1,28 +1,35 @@
 """The edge where a turn's typed events become the page's SSE frames (API.md's turn stream).
 
-`encode` is the only place that knows event names and payload shapes; `TurnResponse` runs a
-turn's events through it. Nothing here knows the pipeline or a wire format upstream.
+`encode` is the only place that knows event names and payload shapes (and numbers each frame
+with its SSE `id`); `TurnResponse` sends a turn's frames. Nothing here knows the pipeline or a
+wire format upstream.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 
 from events import (
     Compressed, FetchDone, ReasoningDelta, SearchResults, SearchStarted, TextDelta, ToolStep, TurnDone, TurnEvent,
     TurnFailed, TurnStarted, TurnWarning,
 )
 
+log = logging.getLogger("chat.streaming")
 
-def frame(name: str, data: dict) -> bytes:
+
+def frame(name: str, data: dict, seq: int | None = None) -> bytes:
     """One SSE record, encoded once here (sse-starlette passes bytes through untouched).
 
-    Compact JSON holds no line break, so `data` is always one line.
+    Compact JSON holds no line break, so `data` is always one line. `seq` becomes the record's
+    `id:`, which a browser sends back as `Last-Event-ID` when it reconnects.
     """
-    return b"event: " + name.encode() + b"\r\ndata: " + orjson.dumps(data) + b"\r\n\r\n"
+    head = b"id: %d\r\n" % seq if seq is not None else b""
+    return head + b"event: " + name.encode() + b"\r\ndata: " + orjson.dumps(data) + b"\r\n\r\n"
 
 
 def payload(event: TurnEvent) -> dict | None:
@@ -70,27 +77,30 @@ NAMES = {"delta": "delta", "reasoning": "reasoning", "search_started": "search",
          "error": "error", "done": "done"}
 
 
-def encode(event: TurnEvent) -> bytes | None:
-    """The SSE frame the page sees for one event, if any."""
+def encode(event: TurnEvent, seq: int | None = None) -> bytes | None:
+    """The SSE frame the page sees for one event (numbered `seq` within its turn), if any."""
     data = payload(event)
-    return None if data is None else frame(NAMES[event.type], data)
-
-
-async def frames(events: AsyncIterator[TurnEvent]) -> AsyncIterator[bytes]:
-    async for event in events:
-        if (out := encode(event)) is not None:
-            yield out
+    return None if data is None else frame(NAMES[event.type], data, seq)
 
 
 class TurnResponse(EventSourceResponse):
-    """A turn's SSE response; `release` runs however it ends, even if the client left before it started."""
+    """A turn's SSE frames; `closed` runs however the response ends, even if the client left before it started.
 
-    def __init__(self, events: AsyncIterator[TurnEvent], release: Callable[[], object]) -> None:
-        super().__init__(frames(events), headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
-        self._release = release
+    A reader that takes over `send_timeout` seconds to accept a frame is dropped.
+    """
+
+    def __init__(self, frames: AsyncIterator[bytes], closed: Callable[[], Awaitable[object]] | None = None,
+                 send_timeout: float | None = None) -> None:
+        super().__init__(frames, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+                         send_timeout=send_timeout)
+        self._closed = closed
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            # A reader that stopped reading (a frozen tab, a dead network path): not a server fault.
+            log.info("dropped a turn stream whose reader accepted nothing for %ss", self.send_timeout)
         finally:
-            await self._release()
+            if self._closed is not None:
+                await self._closed()

@@ -38,7 +38,9 @@ from events import (
 )
 from failures import StreamRedactor, UpstreamError, classify_exception, redact_value
 from presets import PresetNotFound, Presets
-from storage import NotFound, OwnerStore, StoreUnavailable, TurnLock, new_id, now_iso
+from storage import (
+    Change, NotFound, OwnerStore, StoreUnavailable, TurnLock, new_id, now_iso, recover_interrupted,
+)
 from toolloop import ToolLoop
 from upstream import chat
 from upstream import messages as web_tools
@@ -234,7 +236,7 @@ class Turns:
 
                 turn = Turn(store, lock, conv["model"], user, parent_id=user["id"], previous_leaf=previous,
                             masked=masked)
-            _, turn.opening = await store.update_soon(conv_id, change, lock=lock)
+            _, turn.opening = await store.update_soon(conv_id, _settling_the_dead(change), lock=lock)
         except BaseException:
             await store.unlock_turn(lock)
             raise
@@ -696,7 +698,12 @@ class Turns:
             message["error"] = error
 
         def append(c: dict) -> None:
-            c["messages"].append(message)
+            messages = c["messages"]
+            # The reply's last checkpoint (status "streaming") is replaced: the reply is stored once.
+            if messages and messages[-1]["id"] == message["id"]:
+                messages[-1] = message
+            else:
+                messages.append(message)
             add_usage(c["totals"], usage)
             c["totals"]["turns"] += 1
             if not usage["estimated"]:
@@ -714,3 +721,17 @@ def _set_answers_aside(conv: dict, *, question: str) -> None:
     """Regenerate: the answers after the last user message (interrupted ones too) become the new
     answer's siblings, kept off the current path."""
     branches.switch(conv, question, descend=False)
+
+
+def _settling_the_dead(change: Change) -> Change:
+    """`change`, after any reply a dead process left `streaming` is made `interrupted`.
+
+    The lock is this turn's now, so such a reply cannot be a live one, even where the store reads
+    it as streaming (a store shared by processes sees a lock held, by this very turn).
+    """
+    def settled_first(conv: dict) -> None:
+        recover_interrupted(conv)
+        change(conv)
+
+    return settled_first
+

@@ -32,10 +32,11 @@ class Stream(asyncio.Protocol):
     """One request on one fresh connection; fills `record` and resolves `finished` when it is over."""
 
     def __init__(self, request: bytes, dialect: str, stop_after: int | None, keep_gaps: bool,
-                 finished: asyncio.Future) -> None:
+                 finished: asyncio.Future, stop=None) -> None:
         self.request = request
         self.dialect = dialect
         self.stop_after = stop_after
+        self.stop = stop  # None: Stop closes the socket; else it is called and the stream is read to its end
         self.keep_gaps = keep_gaps
         self.finished = finished
         self.transport: asyncio.Transport | None = None
@@ -172,10 +173,12 @@ class Stream(asyncio.Protocol):
         elif self.keep_gaps:
             rec["gaps"].append(now - self.last_content)
         self.last_content = now
-        if self.stop_after is not None and rec["events"] >= self.stop_after:
-            # What a browser's abort does to an HTTP/1.1 stream: the socket closes.
+        if self.stop_after is not None and rec["events"] >= self.stop_after and rec["stopped"] is None:
             rec["stopped"] = time.monotonic()
-            self._finish()
+            if self.stop is not None:
+                self.stop()  # the page's Stop button: the stop route; this stream then ends with `done`
+            else:
+                self._finish()  # what a browser's abort does to an HTTP/1.1 stream: the socket closes
 
     def _finish(self) -> None:
         if not self.finished.done():
@@ -190,14 +193,44 @@ def http_request(host: str, port: int, path: str, body: bytes, token: str) -> by
     return head.encode() + body
 
 
+async def post_and_close(host: str, port: int, request: bytes) -> None:
+    """One short request on a connection of its own; its answer's head is read, the rest ignored."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(request)
+        await reader.readuntil(HEAD_END)
+    finally:
+        writer.close()
+
+
+STOPPING: set[asyncio.Task] = set()  # the stop requests in flight (a task nobody holds may be collected)
+
+
+def stop_route(loop: asyncio.AbstractEventLoop, spec: dict, req: dict):
+    """What Stop does with `stop_via: "route"`: POST {conversation}/stop from another connection."""
+    if spec.get("stop_via") != "route":
+        return None
+    path = req["path"].rsplit("/", 1)[0] + "/stop"
+    request = http_request(spec["host"], spec["port"], path, b"{}", spec["token"])
+
+    def stop() -> None:
+        task = loop.create_task(post_and_close(spec["host"], spec["port"], request))
+        STOPPING.add(task)
+        task.add_done_callback(STOPPING.discard)
+
+    return stop
+
+
 async def one(loop: asyncio.AbstractEventLoop, spec: dict, req: dict, timeout: float) -> dict:
     """Send one request and wait for its stream to end (or the per-request timeout)."""
     finished = loop.create_future()
     request = http_request(spec["host"], spec["port"], req["path"], req["body"].encode(), spec["token"])
+    stop = stop_route(loop, spec, req)
     start = time.monotonic()
     try:
         transport, _ = await asyncio.wait_for(loop.create_connection(
-            lambda: Stream(request, spec["dialect"], spec.get("stop_after"), spec.get("keep_gaps", False), finished),
+            lambda: Stream(request, spec["dialect"], spec.get("stop_after"), spec.get("keep_gaps", False), finished,
+                           stop),
             spec["host"], spec["port"]), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
         return {"start": start, "status": None, "first": None, "end": None, "events": 0, "ok": False,

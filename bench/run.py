@@ -75,6 +75,7 @@ STOP_SAMPLES = 60
 STOP_CLIENTS = 10
 STOP_AFTER = (3, 6, 10)
 HISTORY_SIZES = (10, 1_000, 10_000)
+NO_CHECKPOINTS = "nockpt"  # the target name of our server with CHECKPOINT_SECONDS=0 (sustain phase only)
 HISTORY_TURNS = 5
 PROFILE_TURNS = 5
 
@@ -202,11 +203,13 @@ class Gateway:
                 self.proc.kill()
 
 
-def start_server(gw: Gateway, data_dir: Path, log_dir: Path, name: str = "server") -> Service:
+def start_server(gw: Gateway, data_dir: Path, log_dir: Path, name: str = "server",
+                 settings: dict[str, str] | None = None) -> Service:
+    """Our server with its default settings, or with `settings` (environment names) changed."""
     # cwd is the data directory, so a developer's .env in the repository does not leak in.
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DATA_DIR": str(data_dir), "GATEWAY_BASE_URL": gw.base_url,
-           "GATEWAY_API_KEY": "", "HOST": HOST, "ACCESS_TOKEN": ""}
+           "GATEWAY_API_KEY": "", "HOST": HOST, "ACCESS_TOKEN": "", **(settings or {})}
     port = free_port()
     env["PORT"] = str(port)
     # Started as `make run` starts it, so the figures are those of the server a person runs.
@@ -364,11 +367,12 @@ def turn_request(conv_id: str, tag: str) -> dict:
 
 
 def load_spec(port: int, dialect: str, clients: list[list[dict]], *, spread: float, phase_timeout: float,
-              request_timeout: float, keep_gaps: bool = False, stop_after: int | None = None) -> dict:
+              request_timeout: float, keep_gaps: bool = False, stop_after: int | None = None,
+              stop_via: str = "hangup") -> dict:
     # Every target is sent LiteLLM's master key; the others ignore it.
     return {"host": HOST, "port": port, "dialect": dialect, "token": MASTER_KEY, "clients": clients, "spread": spread,
             "phase_timeout": phase_timeout, "request_timeout": request_timeout, "keep_gaps": keep_gaps,
-            "stop_after": stop_after}
+            "stop_after": stop_after, "stop_via": stop_via}
 
 
 def create_conversations(server: Service, n: int) -> list[str]:
@@ -477,11 +481,14 @@ def phase_sustain(gw: Gateway, targets: list[Target], tags: Tags, work: Path, lo
     return out
 
 
-def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log) -> dict:
-    """Close the client socket mid-stream; time until the simulator sees the upstream socket close.
+def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log, via: str = "hangup") -> dict:
+    """Stop mid-stream; time until the simulator sees the upstream socket close.
 
-    Each sample uses a conversation of its own, so no sample waits on another's save. The client
-    closes after 3, 6 or 10 deltas (a third of the samples each), so closes land at different points.
+    `via` "hangup": the client closes its socket (a server with ON_DISCONNECT=stop); "route": the
+    client POSTs the stop route from another connection, as the page's Stop button does, and
+    reads its stream on to `done`. Each sample uses a conversation of its own, so no sample waits
+    on another's save. Stop comes after 3, 6 or 10 deltas (a third of the samples each), so stops
+    land at different points.
     """
     per_variant = STOP_SAMPLES // len(STOP_AFTER)
     rounds = per_variant // STOP_CLIENTS
@@ -492,15 +499,16 @@ def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log) -> dict
         clients = [[turn_request(target.convs[first + c * rounds + r], tags()) for r in range(rounds)]
                    for c in range(STOP_CLIENTS)]
         records += run_load(load_spec(target.port, "turn", clients, spread=0.5, phase_timeout=120,
-                                      request_timeout=30, stop_after=stop_after), None, work).records
+                                      request_timeout=30, stop_after=stop_after, stop_via=via), None, work).records
     sim = {r["tag"]: r for r in gw.call("records", 10.0)}
     closes = []
     for r in records:
         upstream = sim.get(r["tag"])
         if r["stopped"] is not None and upstream is not None and upstream["disconnected_at"] is not None:
             closes.append(upstream["disconnected_at"] - r["stopped"])
-    out = {"samples": len(records), "closed": len(closes), "close": {q: pct(closes, q) for q in (50, 90, 99, 100)}}
-    log(f"  {target.label}: {len(closes)}/{len(records)} upstream closes seen; p50 {ms(out['close'][50])} "
+    out = {"samples": len(records), "closed": len(closes), "close": {q: pct(closes, q) for q in (50, 90, 99, 100)},
+           "target": target.name, "label": target.label, "via": via}
+    log(f"  {target.label} ({via}): {len(closes)}/{len(records)} upstream closes seen; p50 {ms(out['close'][50])} "
         f"p99 {ms(out['close'][99])} max {ms(out['close'][100])} ms")
     return out
 
@@ -709,11 +717,14 @@ def flatten(overhead: dict, sustain: dict, stops: dict, history: dict | None, rs
         if s.get("rss_mb_peak") is not None:
             r[f"{p}rss_mb_{n}"] = round(s["rss_mb_peak"], 1)
     r["rss_mb_idle"] = round(rss_idle, 1)
-    for name, stop in stops.items():
-        p = prefix(name)
-        r[f"{p}stop_samples"], r[f"{p}stop_closed"] = stop["samples"], stop["closed"]
+    for stop in stops.values():
+        p = prefix(stop["target"]) + ("stop_route" if stop["via"] == "route" else "stop")
+        r[f"{p}_samples"], r[f"{p}_closed"] = stop["samples"], stop["closed"]
         for q, key in ((50, "p50"), (99, "p99"), (100, "max")):
-            r[f"{p}stop_close_{key}_ms"] = ms(stop["close"][q])
+            r[f"{p}_close_{key}_ms"] = ms(stop["close"][q])
+    on, off = r.get(f"gap_p99_ms_{n}"), r.get(f"{prefix(NO_CHECKPOINTS)}gap_p99_ms_{n}")
+    # The p99 gap with checkpoints on (the default) over the same with them off, in the same run.
+    r[f"checkpoint_gap_p99_ratio_{n}"] = round(on / off, 3) if on is not None and off else None
     if history:
         names = {10: "10", 1_000: "1k", 10_000: "10k"}
         for size, h in history.items():
@@ -751,7 +762,11 @@ def verdict(results: dict) -> list[str]:
          lambda v: v == SUSTAIN_STREAMS),
         (f"p99 gap between events at {SUSTAIN_STREAMS} streams < 150 ms", results.get("gap_p99_ms_400"),
          lambda v: v < 150.0),
-        ("Stop: p99 browser disconnect → upstream close < 100 ms", results.get("stop_close_p99_ms"),
+        (f"p99 gap at {SUSTAIN_STREAMS} streams with checkpoints on within 10% of off (ratio)",
+         results.get(f"checkpoint_gap_p99_ratio_{SUSTAIN_STREAMS}"), lambda v: v <= 1.10),
+        ("Stop (ON_DISCONNECT=stop): p99 browser disconnect → upstream close < 100 ms", results.get("stop_close_p99_ms"),
+         lambda v: v < 100.0),
+        ("Stop route: p99 POST stop → upstream close < 100 ms", results.get("stop_route_close_p99_ms"),
          lambda v: v < 100.0),
         ("10,000-message turn adds < 50 ms over a 10-message one", results.get("turn_added_ms_10k"),
          lambda v: v < 50.0),
@@ -853,18 +868,21 @@ def write_markdown(results: dict, labels: dict[str, str], overhead: dict, sustai
     if stops:
         lines += [
             "", "## Stop", "",
-            f"{STOP_SAMPLES} turns per server, {STOP_CLIENTS} at a time, each closed by the client after 3, 6 or 10 "
-            f"deltas (reply chunks every {STOP_REPLY['delay'] * 1000:.0f} ms). Measured: from the client closing its "
-            "socket (its `time.monotonic()`) to the simulator recording the upstream connection's hang-up "
-            "(`disconnected_at`, the same clock).",
+            f"{STOP_SAMPLES} turns per server, {STOP_CLIENTS} at a time, each stopped by the client after 3, 6 or 10 "
+            f"deltas (reply chunks every {STOP_REPLY['delay'] * 1000:.0f} ms), in one of two ways: *hang-up*, the "
+            "client closes its socket (a server with ON_DISCONNECT=stop; by default a hang-up no longer stops a "
+            "turn), or *route*, the client POSTs `/api/conversations/{id}/stop` on another connection, as the "
+            "page's Stop button does. Measured: from the client's Stop (its `time.monotonic()`, before connecting "
+            "for the POST) to the simulator recording the upstream connection's hang-up (`disconnected_at`, the "
+            "same clock).",
             "",
-            "| server | upstream closes seen | p50 ms | p90 ms | p99 ms | max ms |",
-            "|---|---|---|---|---|---|",
+            "| server | stop | upstream closes seen | p50 ms | p90 ms | p99 ms | max ms |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for name, stop in stops.items():
+        for stop in stops.values():
             c = stop["close"]
-            lines.append(f"| {labels[name]} | {stop['closed']}/{stop['samples']} | {fmt(ms(c[50]))} | {fmt(ms(c[90]))} | "
-                         f"{fmt(ms(c[99]))} | {fmt(ms(c[100]))} |")
+            lines.append(f"| {stop['label']} | {stop['via']} | {stop['closed']}/{stop['samples']} | {fmt(ms(c[50]))} | "
+                         f"{fmt(ms(c[90]))} | {fmt(ms(c[99]))} | {fmt(ms(c[100]))} |")
     if history:
         lines += [
             "", "## Per-turn cost with long histories", "",
@@ -989,6 +1007,7 @@ def main() -> None:
     gw = None
     results: dict = {**machine()}
     litellm_error = None
+    no_checkpoints = None
     overhead: dict = {}
     sustain: dict = {}
     stops: dict = {}
@@ -1016,6 +1035,17 @@ def main() -> None:
             tmpfs_server = start_server(gw, tmp / "data", work, name="server-tmpfs")
             services.append(tmpfs_server)
             targets.append(Target("tmpfs", "our server, tmpfs (diag.)", tmpfs_server.port, "turn", tmpfs_server))
+        # Servers measured in one phase only: checkpoints off (beside ours in the sustain phase, so the
+        # cost of checkpoints is read within one run), and hang-up-stops (the hang-up Stop phase).
+        no_checkpoints = hangup = None
+        if "sustain" not in args.skip:
+            svc = start_server(gw, work / "data-nockpt", work, name="server-nockpt", settings={"CHECKPOINT_SECONDS": "0"})
+            services.append(svc)
+            no_checkpoints = Target(NO_CHECKPOINTS, "our server, checkpoints off", svc.port, "turn", svc)
+        if "stop" not in args.skip:
+            svc = start_server(gw, work / "data-hangup", work, name="server-hangup", settings={"ON_DISCONNECT": "stop"})
+            services.append(svc)
+            hangup = Target("ours", "our server, ON_DISCONNECT=stop", svc.port, "turn", svc)
         if args.no_litellm:
             litellm_error = "skipped (--no-litellm)"
         else:
@@ -1029,10 +1059,15 @@ def main() -> None:
                 log(f"LiteLLM unavailable: {exc}")
         results["litellm_error"] = litellm_error
         rss_idle = server.rss_mb()
-        for target in targets:
+        for target in targets + [t for t in (no_checkpoints,) if t]:
             if target.dialect == "turn":
                 log(f"creating {SUSTAIN_STREAMS} conversations on {target.label}")
                 target.convs = create_conversations(target.service, SUSTAIN_STREAMS)
+        if hangup is not None:
+            hangup.convs = create_conversations(hangup.service, STOP_SAMPLES)
+        sustained = list(targets)
+        if no_checkpoints is not None:
+            sustained.insert(sustained.index(ours) + 1, no_checkpoints)  # back to back with checkpoints on
         template = httpx.get(f"{server.url}/api/conversations/{ours.convs[0]}", timeout=30).json()
         tags = Tags()
 
@@ -1051,9 +1086,16 @@ def main() -> None:
         overhead = attempt("overhead", "overhead at " + ", ".join(map(str, OVERHEAD_LEVELS)) + " streams",
                            lambda: phase_overhead(gw, targets, tags, work, log)) or {}
         sustain = attempt("sustain", f"{SUSTAIN_STREAMS} streams at 20 tokens/s",
-                          lambda: phase_sustain(gw, targets, tags, work, log)) or {}
-        stops = attempt("stop", "stop", lambda: {t.name: phase_stop(gw, t, tags, work, log)
-                                                 for t in targets if t.dialect == "turn"}) or {}
+                          lambda: phase_sustain(gw, sustained, tags, work, log)) or {}
+
+        def stop_phases() -> dict:
+            out = {"hangup": phase_stop(gw, hangup, tags, work, log, via="hangup")}
+            for t in targets:
+                if t.dialect == "turn":
+                    out[f"{t.name}-route"] = phase_stop(gw, t, tags, work, log, via="route")
+            return out
+
+        stops = attempt("stop", "stop", stop_phases) or {}
         history = attempt("history", "long histories",
                           lambda: phase_history(gw, server, data_dir, template, tags, work, log))
         if history and None not in (history[HISTORY_SIZES[-1]]["server"], history[HISTORY_SIZES[0]]["server"]):
@@ -1086,8 +1128,10 @@ def main() -> None:
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, {t.name: t.label for t in targets}, overhead, sustain, stops, history, profile,
-                   litellm_error)
+    labels = {t.name: t.label for t in targets}
+    if no_checkpoints is not None:
+        labels[no_checkpoints.name] = no_checkpoints.label
+    write_markdown(results, labels, overhead, sustain, stops, history, profile, litellm_error)
     log("wrote bench/results.json and bench/RESULTS.md")
 
 

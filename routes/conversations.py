@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 import orjson
 from fastapi.responses import JSONResponse, Response
 
@@ -90,11 +90,19 @@ async def conversation_out(state, store: OwnerStore, conv: dict, status_code: in
     out.setdefault("title_source", "auto")
     out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings)
     out["streaming"] = await store.turn_locked(conv["id"])
+    out["turn"] = await state.hub.info(conv["id"])
     return json_answer(out, status_code)
 
 
 def turn_response(state, turn: Turn) -> TurnResponse:
-    return TurnResponse(state.turns.run(turn), lambda: state.turns.release(turn))
+    """The new turn runs in the server's own task; this response follows it from its first event.
+
+    With ON_DISCONNECT=stop, the response ending before the turn did (a hang-up, a stalled
+    reader) stops it, as it always did; by default the turn runs on and is saved.
+    """
+    running = state.hub.start(turn)
+    closed = running.stop if state.settings.on_disconnect == "stop" else None
+    return TurnResponse(running.follow(0), closed, send_timeout=state.settings.stream_send_timeout)
 
 
 @router.get("", response_model=list[ConversationEntry])
@@ -177,6 +185,9 @@ async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str 
 
 @router.delete("/{conv_id}", status_code=204)
 async def delete_conversation(conv_id: str, state: StateDep, store: OwnerStoreDep) -> Response:
+    await store.get(conv_id)
+    # A reply nobody can ever read would otherwise go on being generated and billed.
+    await state.hub.stop(conv_id)
     await store.delete(conv_id)
     # Its files go with it (the conversation was this owner's, or delete would have been 404).
     await state.attachments.delete_scope(conversation_scope(conv_id))
@@ -229,6 +240,33 @@ async def switch_branch(conv_id: str, body: BranchSwitch, state: StateDep, store
     finally:
         await store.unlock_turn(lock)
     return await conversation_out(state, store, conv)
+
+
+@router.get("/{conv_id}/stream", status_code=200,
+            responses={200: {"content": {"text/event-stream": {}}, "description": "the running turn's stream"},
+                       204: {"description": "no turn is running"}})
+async def follow_turn(conv_id: str, request: Request, state: StateDep, store: OwnerStoreDep,
+                      after: int | None = Query(None, ge=0, description="replay the events after this id")) -> Response:
+    """Re-attach to the running turn: the events after `Last-Event-ID` (or `?after=`), then live ones."""
+    await store.get(conv_id)
+    header = request.headers.get("last-event-id")
+    if header is not None:
+        # A browser reconnecting sends the header and repeats the URL it first used: the header is newer.
+        if not header.strip().isdigit():
+            return JSONResponse({"detail": "Last-Event-ID: must be an event id (a whole number)"}, status_code=422)
+        after = int(header)
+    frames = await state.hub.follow(conv_id, after or 0)
+    if frames is None:
+        return Response(status_code=204)
+    return TurnResponse(frames, send_timeout=state.settings.stream_send_timeout)
+
+
+@router.post("/{conv_id}/stop", status_code=204)
+async def stop_turn(conv_id: str, state: StateDep, store: OwnerStoreDep, body: Empty | None = None) -> Response:
+    """Stop the running turn (closing its upstream call) and answer once its partial reply is saved."""
+    await store.get(conv_id)
+    await state.hub.stop(conv_id)
+    return Response(status_code=204)
 
 
 @router.post("/{conv_id}/rewind", response_model=Draft)

@@ -59,3 +59,11 @@ def live_server(tmp_path, sim):
     server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url})
     yield server
     server.stop()
+
+
+@pytest.fixture
+def hang_up_stops_server(tmp_path, sim):
+    """A real server where a dropped connection stops its turn (ON_DISCONNECT=stop)."""
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "ON_DISCONNECT": "stop"})
+    yield server
+    server.stop()

@@ -64,6 +64,8 @@ class Ledger:
         self.memory = -1
         self.created: set[str] = set()
         self.deleted: set[str] = set()
+        # Asked to be deleted: the server may have deleted it and been killed before answering.
+        self.deleting: set[str] = set()
         self.writes = 0
         self.counts: collections.Counter[str] = collections.Counter()
 
@@ -90,6 +92,8 @@ class Ledger:
                     self.created.add(args[0])
                 case "deleted":
                     self.deleted.add(args[0])
+                case "deleting":
+                    self.deleting.add(args[0])
 
 
 def turn_worker(base_url: str, conv_id: str, tag: str, counter, ledger: Ledger, stop: threading.Event) -> None:
@@ -130,8 +134,10 @@ def misc_worker(base_url: str, counter, ledger: Ledger, stop: threading.Event) -
                 created = http.post("/api/conversations", json={})
                 if created.status_code == 201:
                     ledger.commit("created", created.json()["id"])
-                    if n % 2 and http.delete(f"/api/conversations/{created.json()['id']}").status_code == 204:
-                        ledger.commit("deleted", created.json()["id"])
+                    if n % 2:
+                        ledger.commit("deleting", created.json()["id"])
+                        if http.delete(f"/api/conversations/{created.json()['id']}").status_code == 204:
+                            ledger.commit("deleted", created.json()["id"])
             except httpx.HTTPError:
                 return
 
@@ -158,7 +164,7 @@ def check_disk(data_dir: Path, ledger: Ledger) -> None:
         assert int(stored[conv_id]["settings"]["system_prompt"].split("-")[1]) >= n
     if ledger.memory >= 0:
         assert int((data_dir / "memory.md").read_text().split("\n")[0][2:]) >= ledger.memory
-    assert ledger.created - ledger.deleted <= set(stored)
+    assert ledger.created - ledger.deleting <= set(stored)
     assert not ledger.deleted & set(stored)
 
 

@@ -1,4 +1,5 @@
-"""Stop through a real uvicorn server: the upstream socket closes and the partial reply is kept."""
+"""Hang-up-stops (ON_DISCONNECT=stop) through a real uvicorn server: the upstream socket closes and
+the partial reply is kept. The default, where a turn outlives its page, is in test_reattach.py."""
 
 from __future__ import annotations
 
@@ -27,16 +28,16 @@ def settled(server, conv_id: str) -> dict:
         time.sleep(0.05)
 
 
-def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
+def test_stop_closes_upstream_and_saves_partial_once(hang_up_stops_server, sim):
     sim.enqueue(Script(steps=[steps.Text("Once upon a time "), steps.Sleep(0.2)]
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
-    conv_id = start_conversation(live_server)
+    conv_id = start_conversation(hang_up_stops_server)
 
-    hung_up_at = hang_up_after_first_delta(live_server.base_url, conv_id)
+    hung_up_at = hang_up_after_first_delta(hang_up_stops_server.base_url, conv_id)
 
     record = sim.wait_for_disconnect(timeout=5)
     assert record.disconnected_at - hung_up_at < 1.0
-    conv = settled(live_server, conv_id)
+    conv = settled(hang_up_stops_server, conv_id)
     replies = [m for m in conv["messages"] if m["role"] == "assistant"]
     assert len(replies) == 1
     assert replies[0]["status"] == "interrupted" and replies[0]["content"].startswith("Once upon a time")
@@ -45,16 +46,16 @@ def test_stop_closes_upstream_and_saves_partial_once(live_server, sim):
 
     # The conversation is free again: the next turn runs.
     sim.enqueue(Script(steps=[steps.Text("Fine.")]))
-    response = httpx.post(f"{live_server.base_url}/api/conversations/{conv_id}/messages",
+    response = httpx.post(f"{hang_up_stops_server.base_url}/api/conversations/{conv_id}/messages",
                           json={"content": "shorter please"}, timeout=10)
     assert "event: done" in response.text
 
 
-def test_stop_before_any_text_keeps_the_question_and_its_billed_usage(live_server, sim):
+def test_stop_before_any_text_keeps_the_question_and_its_billed_usage(hang_up_stops_server, sim):
     sim.enqueue(Script(steps=[steps.Sleep(3), steps.Text("too late")]))
-    conv_id = start_conversation(live_server)
+    conv_id = start_conversation(hang_up_stops_server)
 
-    with httpx.stream("POST", f"{live_server.base_url}/api/conversations/{conv_id}/messages",
+    with httpx.stream("POST", f"{hang_up_stops_server.base_url}/api/conversations/{conv_id}/messages",
                       json={"content": "are you there?"}, timeout=10) as response:
         # A dropped httpx iterator closes the response, so hold it until the upstream call is made.
         chunks = response.iter_raw()
@@ -62,7 +63,7 @@ def test_stop_before_any_text_keeps_the_question_and_its_billed_usage(live_serve
         sim.wait_for_requests(1)
     sim.wait_for_disconnect(timeout=5)
 
-    conv = settled(live_server, conv_id)
+    conv = settled(hang_up_stops_server, conv_id)
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
     stopped = conv["messages"][1]
     assert (stopped["content"], stopped["status"]) == ("", "interrupted"), "stopped before the answer began"
@@ -71,6 +72,6 @@ def test_stop_before_any_text_keeps_the_question_and_its_billed_usage(live_serve
 
     # The empty reply never goes upstream: the next request holds the two questions only.
     sim.enqueue(Script(steps=[steps.Text("Yes.")]))
-    httpx.post(f"{live_server.base_url}/api/conversations/{conv_id}/messages", json={"content": "hello?"}, timeout=10)
+    httpx.post(f"{hang_up_stops_server.base_url}/api/conversations/{conv_id}/messages", json={"content": "hello?"}, timeout=10)
     sent = sim.requests[-1].body["messages"]
     assert [m["role"] for m in sent if m["role"] != "system"] == ["user", "user"]

@@ -1,0 +1,86 @@
+"""Checkpoints: a streaming reply's partial text, activity and usage, written to the store as it grows.
+
+While a turn streams, `keep_checkpoints` stores the reply so far as an assistant message with
+`status: "streaming"`, at most once every CHECKPOINT_SECONDS, from a task of its own so that no
+event ever waits for a write. Each checkpoint replaces the previous one in place (same message
+id); the pipeline's final save replaces the last one, so the reply is still stored once. Writes
+carry the turn's lock: once the turn has let the conversation go, a checkpoint is refused.
+
+After a crash the last checkpoint is what is left; the store turns it into an `interrupted`
+reply (`storage.recover_interrupted`). This module knows the reply's shape, not the store's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+import context
+from storage import LockLost, NotFound, now_iso
+from turns import Turn, combined
+
+log = logging.getLogger("chat.checkpoints")
+
+
+def usage_so_far(turn: Turn) -> dict:
+    """The reply's usage as far as it went, always flagged as an estimate."""
+    counting = turn.counting
+    sent_floor = counting.result() if counting is not None and counting.done() and not counting.cancelled() \
+        and counting.exception() is None else 0
+    reply = turn.reply
+    reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
+        context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
+    usage = combined(reports)
+    usage["searches"] = max(usage["searches"], reply.searches)
+    usage["fetches"] = max(usage["fetches"], reply.fetches)
+    usage["estimated"] = True
+    return usage
+
+
+def checkpoint_message(turn: Turn) -> dict:
+    """The reply so far, as the assistant message a crash would leave behind."""
+    reply = turn.reply
+    message = {
+        "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
+        "created_at": now_iso(), "model": turn.model, "status": "streaming",
+        # Copied: the pipeline keeps growing these lists and steps after the checkpoint is taken.
+        "activity": copy.deepcopy(reply.activity), "citations": copy.deepcopy(reply.citations),
+        "usage": usage_so_far(turn),
+    }
+    if reply.warnings:
+        message["warnings"] = copy.deepcopy(reply.warnings)
+    return message
+
+
+def put_checkpoint(conv: dict, turn: Turn, message: dict) -> None:
+    """Replace this reply's previous checkpoint, or add the first; never touch a settled reply."""
+    if turn.settled:  # the final save (or the rollback) came first: it has the last word
+        return
+    messages = conv["messages"]
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i]["id"] == message["id"]:
+            if messages[i].get("status") == "streaming":
+                messages[i] = message
+            return
+    messages.append(message)
+
+
+async def keep_checkpoints(turn: Turn, every: float) -> None:
+    """Write the growing reply every `every` seconds until the turn settles (run it as its own task)."""
+    written = None
+    while not turn.settled:
+        await asyncio.sleep(every)  # the cadence itself, not a wait for something to happen
+        reply = turn.reply
+        mark = (len(reply.text), len(reply.reasoning), len(reply.activity), len(reply.usages))
+        if turn.settled or not reply.has_output or mark == written:
+            continue
+        message = checkpoint_message(turn)
+        try:
+            await turn.store.update(turn.conv_id, lambda c: put_checkpoint(c, turn, message), lock=turn.lock)
+        except (LockLost, NotFound):
+            return  # the turn is over or the conversation is gone: nothing left to keep
+        except Exception:
+            # A failed checkpoint costs only what a crash would lose; the turn itself goes on.
+            log.exception("checkpoint of the reply on %s failed", turn.conv_id)
+        written = mark
