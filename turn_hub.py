@@ -124,8 +124,10 @@ class RunningTurn:
         finally:
             if checkpoints is not None:
                 checkpoints.cancel()
-            await turns.release(turn)
-            self.log.end()
+            try:
+                await turns.release(turn)
+            finally:
+                self.log.end()  # whatever releasing did, no follower may wait for more
 
     def _say(self, event) -> None:
         if (frame := encode(event, len(self.log.frames) + 1)) is not None:

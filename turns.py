@@ -263,7 +263,10 @@ class Turns:
         if turn.keeper is not None:
             turn.keeper.cancel()
         with anyio.CancelScope(shield=True):
-            await turn.store.unlock_turn(turn.lock)
+            try:
+                await turn.store.unlock_turn(turn.lock)
+            except StoreUnavailable:  # the turn already said so; free the conversation once it is back
+                self._unlocking.add(asyncio.ensure_future(self._unlock_when_back(turn)))
         if turn.outcome is Outcome.SAVED and self.settings.auto_title:
             self.name_soon(turn.store, turn.conv_id)
 
