@@ -284,6 +284,7 @@ def test_stop_during_a_tool_call_cancels_it_and_keeps_the_reply(tmp_path, sim):
                     if line.startswith("event: tool"):
                         break
                 assert arrived.wait(5), "the tool call reached the slow page"
+                assert httpx.post(f"{base}/api/conversations/{conv_id}/stop", json={}).status_code == 204
             assert hung_up.wait(5), "the fetch was not cancelled when the person stopped"
 
             deadline = time.monotonic() + 5
