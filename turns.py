@@ -596,12 +596,11 @@ class Turns:
                 yield event
 
     def _tool_context(self, turn: Turn) -> tools.ToolContext:
-        write_memory = turn.store.write_memory
-        if self.settings.pii_masking == "on":  # a fact the model remembers is masked like the person's message
+        async def write_masked(text: str) -> None:
+            await turn.store.write_memory(pii.mask(text)[0])
 
-            async def write_memory(text: str) -> None:
-                await turn.store.write_memory(pii.mask(text)[0])
-
+        # A fact the model remembers is masked like the person's message.
+        write_memory = write_masked if self.settings.pii_masking == "on" else turn.store.write_memory
         return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
                                  owner=turn.store.owner)
 
