@@ -987,13 +987,31 @@ def run_tool_bench(log) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def run_attachments_bench(log) -> dict:
+    """The attachment benchmark (bench/attachments_bench.py): a 300-page PDF's ingest rate beside the
+    raw library's, search over 10,000 passages, and the gaps of 50 streams while that PDF uploads."""
+    log("attachment benchmark (bench/attachments_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "attachments_bench.py")], cwd=ROOT, timeout=600,
+                              stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        log("  attachments_bench.py ran over 600 s and was stopped")
+        return {"attachments_error": "attachments_bench.py ran over 600 s"}
+    if done.returncode != 0:
+        log(f"  attachments_bench.py exited with {done.returncode}")
+        return {"attachments_error": f"attachments_bench.py exited with {done.returncode}"}
+    data = json.loads(done.stdout)
+    return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+
+
 # --- Main --------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
-    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache", "search", "tools"],
+    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache", "search", "tools",
+                                 "attachments"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1125,6 +1143,8 @@ def main() -> None:
         results.update(run_search_bench(log))
     if "tools" not in args.skip:
         results.update(run_tool_bench(log))
+    if "attachments" not in args.skip:
+        results.update(run_attachments_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")

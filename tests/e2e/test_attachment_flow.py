@@ -1,0 +1,49 @@
+"""The whole attachment flow in the page: drop a PDF in, ask about it, watch the model search it in
+the activity trail, and see the answer cite the file and page, also after a reload."""
+
+from __future__ import annotations
+
+from fpdf import FPDF
+from playwright.sync_api import expect
+
+from pagekit import assistant_messages, conversation_id, send
+from simulator import Script, steps
+from test_everyday import drop_file
+
+
+def report_pdf() -> bytes:
+    """Eight pages; only page 7 says when the tunnel opens."""
+    pdf = FPDF()
+    pdf.set_font("helvetica", size=12)
+    for n in range(1, 9):
+        pdf.add_page()
+        text = "The harbour tunnel opens on the ninth of March." if n == 7 else f"Budget tables, part {n}."
+        pdf.cell(text=text)
+    return bytes(pdf.output())
+
+
+def test_drop_a_pdf_ask_about_it_and_see_the_search_and_the_page_chip(page, server, sim):
+    conv_id = conversation_id(page)
+    drop_file(page, "#transcript", "report.pdf", report_pdf(), "application/pdf")
+    chip = page.get_by_test_id("composer-attachments").get_by_test_id("attachment-chip")
+    expect(chip).to_have_attribute("data-state", "ready")
+    expect(chip).to_contain_text("report.pdf")
+    sim.enqueue(Script([steps.ToolCall("search_attachments", {"query": "harbour tunnel opens"})]),
+                Script([steps.Text("It opens on the ninth of March [report.pdf p. 7].")]))
+
+    send(page, "When does the tunnel open?")
+
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    step = reply.get_by_test_id("activity").get_by_test_id("tool-step")
+    expect(step).to_have_count(1)
+    expect(step).to_contain_text("Ran search_attachments")
+    expect(reply.get_by_test_id("citation")).to_have_text(["1report.pdf p. 7"])
+    sent = server.conversation(conv_id)["messages"]
+    assert sent[-2]["attachment_ids"], "the question carries its file"
+    results = [m for m in sim.requests[-1].body["messages"] if m.get("role") == "tool"]
+    assert "page 7" in results[0]["content"] or "p. 7" in results[0]["content"]
+
+    page.reload()
+    reply = assistant_messages(page).last
+    expect(reply.get_by_test_id("citation")).to_have_text(["1report.pdf p. 7"])
