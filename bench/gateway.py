@@ -40,6 +40,9 @@ def reply_script(reply: dict):
 
 
 def tag_of(body: dict) -> str | None:
+    """The tag of a turn's request; a call that is not streamed (a title, a summary) names none."""
+    if not body.get("stream"):
+        return None
     messages = body.get("messages") or []
     if not messages:
         return None

@@ -208,8 +208,9 @@ def start_server(gw: Gateway, data_dir: Path, log_dir: Path, name: str = "server
     """Our server with its default settings, or with `settings` (environment names) changed."""
     # cwd is the data directory, so a developer's .env in the repository does not leak in.
     data_dir.mkdir(parents=True, exist_ok=True)
+    # No titles: each first reply's title call would take a scripted reply meant for a turn.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DATA_DIR": str(data_dir), "GATEWAY_BASE_URL": gw.base_url,
-           "GATEWAY_API_KEY": "", "HOST": HOST, "ACCESS_TOKEN": "", **(settings or {})}
+           "GATEWAY_API_KEY": "", "HOST": HOST, "ACCESS_TOKEN": "", "AUTO_TITLE": "false", **(settings or {})}
     port = free_port()
     env["PORT"] = str(port)
     # Started as `make run` starts it, so the figures are those of the server a person runs.
