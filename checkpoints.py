@@ -77,7 +77,9 @@ async def keep_checkpoints(turn: Turn, every: float) -> None:
             continue
         message = checkpoint_message(turn)
         try:
-            await turn.store.update(turn.conv_id, lambda c: put_checkpoint(c, turn, message), lock=turn.lock)
+            # Not fsynced: 400 streams checkpointing each second made the gaps between events 19% longer.
+            await turn.store.update(turn.conv_id, lambda c: put_checkpoint(c, turn, message), lock=turn.lock,
+                                    durable=False)
         except (LockLost, NotFound):
             return  # the turn is over or the conversation is gone: nothing left to keep
         except Exception:

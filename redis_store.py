@@ -655,7 +655,9 @@ class RedisOwnerStore:
     async def get(self, conv_id: str) -> dict:
         return await self.store.load(conv_id, self.owner)
 
-    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
+                     durable: bool = True) -> dict:
+        # Redis acknowledges a write once it is in its append-only file; `durable` changes nothing here.
         return await self.store.update(conv_id, self.owner, change, lock)
 
     async def update_soon(self, conv_id: str, change: Change, *,

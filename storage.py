@@ -106,19 +106,27 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old or the new content, never a mix."""
+def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write `data` to `path` so that readers see the old or the new content, never a mix.
+
+    `durable`: fsync the data and the directory, so the new content survives a power cut too.
+    Without it a killed process still leaves the old or the new file whole (the rename is atomic),
+    but a power cut may keep the older one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if not durable:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -251,7 +259,8 @@ def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
         atomic_write(earlier / name, data)
     if before_write is not None:
         before_write(path, snapshot.data)
-    atomic_write(path, snapshot.data)
+    # Segments are always durable: the file written next names them.
+    atomic_write(path, snapshot.data, durable=snapshot.durable)
     stat = path.stat()
     stamp = stat.st_mtime_ns, stat.st_size
     if snapshot.keep is not None and earlier.is_dir():
@@ -280,6 +289,7 @@ class Snapshot:
     data: bytes
     segments: list[tuple[str, bytes]]
     keep: set[str] | None  # after a reseal, the only segment files still referenced
+    durable: bool = True  # False for a checkpoint: a power cut may lose it, never the conversation
 
 
 def _dumps(obj: object) -> bytes:
@@ -322,8 +332,12 @@ class OwnerStore(Protocol):
     async def get(self, conv_id: str) -> dict:
         """The stored conversation; do not mutate it outside `update()`."""
 
-    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
-        """Apply `change` to the latest version and store it; `lock`: refuse (LockLost) unless it is current."""
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
+                     durable: bool = True) -> dict:
+        """Apply `change` to the latest version and store it; `lock`: refuse (LockLost) unless it is current.
+
+        `durable=False` (checkpoints): the store may skip what makes the write survive a power cut.
+        """
 
     async def update_soon(self, conv_id: str, change: Change, *,
                           lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
@@ -531,12 +545,13 @@ class FileStore:
         keep = {e["file"] for sealed in state.values() for e in sealed.segments} if resealed else None
         return Snapshot(_dumps(head), new_segments, keep)
 
-    def apply(self, conv_id: str, conv: dict, change: Change) -> asyncio.Future:
+    def apply(self, conv_id: str, conv: dict, change: Change, durable: bool = True) -> asyncio.Future:
         """Apply `change` to `conv` now (no await: atomic within the loop) and queue its write."""
         try:
             change(conv)
             conv["updated_at"] = now_iso()
             snapshot = self._snapshot(conv_id, conv)
+            snapshot.durable = durable
         except BaseException:
             self._forget(conv_id)
             raise
@@ -678,15 +693,16 @@ class FileOwnerStore:
         if lock is not None and self.files._turn_locks.get(conv_id) is not lock:
             raise LockLost(conv_id)
 
-    async def update_soon(self, conv_id: str, change: Change, *,
-                          lock: TurnLock | None = None) -> tuple[dict, asyncio.Future]:
+    async def update_soon(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
+                          durable: bool = True) -> tuple[dict, asyncio.Future]:
         conv = self._mine(conv_id)
         self._check_lock(conv_id, lock)
-        return conv, self.files.apply(conv_id, conv, change)
+        return conv, self.files.apply(conv_id, conv, change, durable)
 
-    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
+                     durable: bool = True) -> dict:
         # A caller cancelled meanwhile (Stop) does not cancel the write: it still lands, in order.
-        conv, written = await self.update_soon(conv_id, change, lock=lock)
+        conv, written = await self.update_soon(conv_id, change, lock=lock, durable=durable)
         await asyncio.shield(written)
         return conv
 

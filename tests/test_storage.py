@@ -339,3 +339,19 @@ async def test_conversations_untouched_for_the_ttl_are_deleted_by_the_running_se
 
     assert [c["id"] for c in listing] == [recent["id"]] and gone.status_code == 404
     assert not (files.conversations_dir / f"{old['id']}.json").exists()
+
+
+async def test_a_checkpoint_write_skips_fsync_and_every_other_write_keeps_it(tmp_path, monkeypatch):
+    """Checkpoints are advisory (a power cut may lose one, never the conversation): no fsync for them."""
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+
+    await store.update(conv["id"], lambda c: c.update(title="checkpoint"), durable=False)
+    assert synced == []
+    await store.update(conv["id"], lambda c: c.update(title="saved"))
+    assert len(synced) == 2  # the file and its directory
+    assert (await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv["id"]))["title"] == "saved"
