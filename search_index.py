@@ -213,8 +213,10 @@ class IndexFollower:
             self._seen[conv["id"]] = self._mark(conv)
 
     def changed(self, owner: str, conv: dict) -> None:
-        seen, mark = self._seen.get(conv["id"]), self._mark(conv)
         messages = conv.get("messages") or []
+        if messages and messages[-1].get("status") == "streaming":
+            return  # a checkpoint of a reply still being written: it is indexed once, when saved
+        seen, mark = self._seen.get(conv["id"]), self._mark(conv)
         if seen and seen[2:] == mark[2:] and seen[0] <= mark[0] and (
                 seen[0] == 0 or messages[seen[0] - 1]["id"] == seen[1]):
             # The last message seen may have changed in place (a checkpoint grows into the reply).
