@@ -3,6 +3,8 @@ the activity trail, and see the answer cite the file and page, also after a relo
 
 from __future__ import annotations
 
+import json
+
 from fpdf import FPDF
 from playwright.sync_api import expect
 
@@ -41,8 +43,9 @@ def test_drop_a_pdf_ask_about_it_and_see_the_search_and_the_page_chip(page, serv
     expect(reply.get_by_test_id("citation")).to_have_text(["1report.pdf p. 7"])
     sent = server.conversation(conv_id)["messages"]
     assert sent[-2]["attachment_ids"], "the question carries its file"
-    results = [m for m in sim.requests[-1].body["messages"] if m.get("role") == "tool"]
-    assert "page 7" in results[0]["content"] or "p. 7" in results[0]["content"]
+    # The request after the tool call carries its result (a `tool_result` block on /v1/messages).
+    result = json.dumps(sim.requests[1].body["messages"][-1])
+    assert "tool_result" in result and "ninth of March" in result, "the tool found page 7's passage"
 
     page.reload()
     reply = assistant_messages(page).last
