@@ -139,7 +139,8 @@ class Settings(BaseSettings):
     tool_runtimes: Annotated[dict[str, Literal["gateway", "local", "none"]], NoDecode] = Field(default_factory=dict)
     default_tool_runtime: Literal["gateway", "local", "none"] = "gateway"
 
-    @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url", mode="before")
+    @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url",
+                     "conversation_ttl_days", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

@@ -454,3 +454,15 @@ async def test_a_new_conversation_starts_with_web_tools_off_so_hello_runs_no_sea
     # The default preset's local tools (remember) may be offered; no web tool is.
     assert [r.path for r in sim.requests] == ["/v1/chat/completions"]
     assert not {"web_search", "web_fetch"} & set(declared)
+
+
+def test_the_example_settings_file_loads_as_it_is():
+    """A person copies .env.example to .env: every line in it must be a setting the server accepts."""
+    from config import ROOT, Settings
+
+    settings = Settings(_env_file=ROOT / ".env.example")
+
+    assert settings.store == "files" and settings.auth == "none" and settings.conversation_ttl_days is None
+    names = {line.split("=", 1)[0].lstrip("# ").strip() for line in (ROOT / ".env.example").read_text().splitlines()
+             if "=" in line and line.split("=", 1)[0].lstrip("# ").strip().isupper()}
+    assert {n.lower() for n in names} <= set(Settings.model_fields), "a line names no setting"
