@@ -143,6 +143,8 @@ class RedisTurnHub:
                     closed = True
                 if not closed:
                     await frames.wait_past(count if running.finished else sent)
+                    # Woken with this process's own streams: let them send the new frame before Redis is asked.
+                    await asyncio.sleep(0)
         except StoreUnavailable as exc:
             log.warning("the events of the turn on %s stopped reaching Redis: %s", conv_id, exc)
         except Exception:
