@@ -41,7 +41,7 @@ import re
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,8 +57,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from failures import redact_json
 from storage import (SEALED_LISTS, SEGMENT_MESSAGES, Change, LockLost, NotFound,
-                     StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, summary_of, upgrade,
-                     valid_id)
+                     StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, recover_interrupted,
+                     summary_of, upgrade, valid_id)
 
 log = logging.getLogger("chat.redis_store")
 
@@ -548,10 +548,13 @@ class RedisStore:
                                      args=[seq, turn_id, frame, b"1" if last else b"0", ttl])
 
     async def read_turn_events(self, conv_id: str, after: int = 0, *, turn_id: str | None = None,
-                               block_ms: int = 1000) -> AsyncIterator[tuple[int, bytes]]:
+                               block_ms: int = 1000, still_running: Callable[[], Awaitable[bool]] | None = None,
+                               ) -> AsyncIterator[tuple[int, bytes]]:
         """Every event after seq `after`, in order and once each, then the ones still to come, until
         the turn's last event; ends at once if no turn's events are kept. `turn_id`: only that turn's
         (default: the turn of the first event read); it ends where another turn's events begin.
+        `still_running`: asked whenever a wait brings nothing; False ends the read (the process
+        running the turn died, so its last event will never come).
         """
         key, last_id = self.events_key(conv_id), f"0-{after}"
         while True:
@@ -559,6 +562,8 @@ class RedisStore:
                 found = await self.redis.xread({key: last_id}, count=500, block=block_ms)
                 if not found and not await self.redis.exists(key):
                     return
+            if not found and still_running is not None and not await still_running():
+                return
             for entry_id, fields in (found[0][1] if found else []):
                 if turn_id is None:
                     turn_id = fields[b"t"].decode()
@@ -568,6 +573,38 @@ class RedisStore:
                 yield int(entry_id.split(b"-")[1]), fields[b"f"]
                 if fields[b"last"] == b"1":
                     return
+
+
+    async def wait_turn_event(self, conv_id: str, after: int, *, block_ms: int) -> bool:
+        """Wait (at most `block_ms`) for an event after seq `after`; whether one is there."""
+        with self.reachable():
+            return bool(await self.redis.xread({self.events_key(conv_id): f"0-{after}"}, count=1, block=block_ms))
+
+    async def turn_state(self, conv_id: str) -> tuple[bool, TurnTail | None]:
+        """Whether a turn holds `conv_id`'s lock, and the latest event kept of its turns (one round trip)."""
+        with self.reachable():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(self.lock_key(conv_id))
+                pipe.xrevrange(self.events_key(conv_id), count=1)
+                locked, top = await pipe.execute()
+        if not top:
+            return bool(locked), None
+        entry_id, fields = top[0]
+        return bool(locked), TurnTail(int(entry_id.split(b"-")[1]), fields[b"t"].decode(), fields[b"last"] == b"1")
+
+    async def turn_locked(self, conv_id: str) -> bool:
+        """Whether a turn (of any owner, in any process) holds `conv_id` now."""
+        with self.reachable():
+            return bool(await self.redis.exists(self.lock_key(conv_id)))
+
+
+@dataclass(frozen=True, slots=True)
+class TurnTail:
+    """The latest event kept of a conversation's turns: its seq, its turn, whether the turn ended there."""
+
+    seq: int
+    turn_id: str
+    last: bool
 
 
 class _StopListener:
@@ -633,6 +670,16 @@ class _StopListener:
                 await self.task
 
 
+def _left_streaming(conv: dict) -> bool:
+    """Whether a reply after the last question is still marked `streaming` (a checkpoint)."""
+    for message in reversed(conv.get("messages") or []):
+        if message.get("role") == "user":
+            return False
+        if message.get("role") == "assistant" and message.get("status") == "streaming":
+            return True
+    return False
+
+
 class _Conflict(Exception):
     """Another process wrote the conversation since this write's version was read."""
 
@@ -653,7 +700,27 @@ class RedisOwnerStore:
         return (await self.store.put(conv)).conv
 
     async def get(self, conv_id: str) -> dict:
-        return await self.store.load(conv_id, self.owner)
+        """The conversation; a reply left `streaming` while no turn holds the lock reads `interrupted`.
+
+        Such a reply is the last checkpoint of a process that died mid-turn (its lock expired). It
+        is recovered in the copy answered, not in Redis: the next turn's opening write stores it so.
+        """
+        conv = await self.store.load(conv_id, self.owner)
+        if not _left_streaming(conv) or await self.store.turn_locked(conv_id):
+            return conv
+        # The turn may have saved and let go between the read and the lock check: read once more
+        # (one short round trip when nothing changed).
+        conv = await self.store.load(conv_id, self.owner)
+        if not _left_streaming(conv):
+            return conv
+        # A copy: the cached conversation must stay what Redis holds.
+        recovered = {**conv, "messages": [dict(m) for m in conv["messages"]], "totals": dict(conv["totals"])}
+        for message in recovered["messages"]:
+            if isinstance(message.get("usage"), dict):
+                message["usage"] = dict(message["usage"])
+        if recover_interrupted(recovered):
+            log.warning("conversation %s: a reply left streaming by a process that died reads as interrupted", conv_id)
+        return recovered
 
     async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
                      durable: bool = True) -> dict:

@@ -94,7 +94,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             turns = Turns(active, Gateway(client, base_url, api_key), attachments)
-            app.state.chat = State(active, store, turns, attachments)
+            hub = None
+            if not isinstance(store, FileStore):
+                from redis_turn_hub import RedisTurnHub
+
+                hub = RedisTurnHub(turns, store)  # Stop and re-attach reach turns running in other processes
+            app.state.chat = State(active, store, turns, attachments, hub=hub)
             turns.tool_runtime = app.state.chat.tool_runtime
             try:
                 yield

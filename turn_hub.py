@@ -11,9 +11,9 @@ end still gets the tail.
 `stop` cancels the turn's task: the upstream socket is closed, the pipeline saves the partial
 reply as interrupted (once), and the log ends with a `done` whose status is `interrupted`.
 
-`TurnHub` is what routes see. `LocalTurnHub` keeps everything in this process's memory; an
-implementation on Redis (events in a stream, stop by publish/subscribe) fits behind the same
-protocol for turns that run in another process. This module knows tasks and frames, not wire
+`TurnHub` is what routes see. `LocalTurnHub` keeps everything in this process's memory;
+`redis_turn_hub.RedisTurnHub` adds a copy of each log in Redis and a stop by publish/subscribe,
+for turns that run in another process. This module knows tasks and frames, not wire
 formats, the store's layout, or HTTP.
 """
 
@@ -29,7 +29,7 @@ import anyio
 
 from checkpoints import keep_checkpoints
 from events import TurnDone
-from storage import NotFound
+from storage import NotFound, StoreUnavailable
 from streaming import encode
 from turns import Turn, Turns
 
@@ -56,6 +56,11 @@ class TurnLog:
     def end(self) -> None:
         self.ended = True
         self._wake()
+
+    async def wait_past(self, count: int) -> None:
+        """Return once the log holds more than `count` frames, or has ended."""
+        while len(self.frames) <= count and not self.ended:
+            await self._grew.wait()
 
     def _wake(self) -> None:
         # One event per step: every follower waiting now wakes, later waiters wait for the next step.
@@ -126,8 +131,10 @@ class RunningTurn:
                 checkpoints.cancel()
             try:
                 await turns.release(turn)
+            except StoreUnavailable:
+                pass  # the pipeline already releases the lock once the store is back
             finally:
-                self.log.end()  # whatever releasing did, no follower may wait for more
+                self.log.end()  # whatever happened, every follower's stream ends
 
     def _say(self, event) -> None:
         if (frame := encode(event, len(self.log.frames) + 1)) is not None:

@@ -211,10 +211,12 @@ def stop_route(loop: asyncio.AbstractEventLoop, spec: dict, req: dict):
     if spec.get("stop_via") != "route":
         return None
     path = req["path"].rsplit("/", 1)[0] + "/stop"
-    request = http_request(spec["host"], spec["port"], path, b"{}", spec["token"])
+    # `stop_port`: Stop sent to another server process than the one streaming (the cross-process Stop).
+    port = spec.get("stop_port") or spec["port"]
+    request = http_request(spec["host"], port, path, b"{}", spec["token"])
 
     def stop() -> None:
-        task = loop.create_task(post_and_close(spec["host"], spec["port"], request))
+        task = loop.create_task(post_and_close(spec["host"], port, request))
         STOPPING.add(task)
         task.add_done_callback(STOPPING.discard)
 
@@ -224,14 +226,15 @@ def stop_route(loop: asyncio.AbstractEventLoop, spec: dict, req: dict):
 async def one(loop: asyncio.AbstractEventLoop, spec: dict, req: dict, timeout: float) -> dict:
     """Send one request and wait for its stream to end (or the per-request timeout)."""
     finished = loop.create_future()
-    request = http_request(spec["host"], spec["port"], req["path"], req["body"].encode(), spec["token"])
+    port = req.get("port") or spec["port"]  # a request may name its own server (streams spread over processes)
+    request = http_request(spec["host"], port, req["path"], req["body"].encode(), spec["token"])
     stop = stop_route(loop, spec, req)
     start = time.monotonic()
     try:
         transport, _ = await asyncio.wait_for(loop.create_connection(
             lambda: Stream(request, spec["dialect"], spec.get("stop_after"), spec.get("keep_gaps", False), finished,
                            stop),
-            spec["host"], spec["port"]), timeout)
+            spec["host"], port), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
         return {"start": start, "status": None, "first": None, "end": None, "events": 0, "ok": False,
                 "error": f"connect: {exc!r}", "stopped": None, "tag": req.get("tag")}

@@ -20,6 +20,11 @@ What is timed (all clocks are `time.monotonic()`, shared by every process on Lin
 - added time at percentile p: p of the target's times minus p of the direct runs at the same
   concurrency (two independent samples, so a percentile of differences is not defined).
 
+With redis-server installed, two more servers with STORE=redis share a Redis the bench starts
+(a free port, a temporary directory, AOF on, stopped by its pid): one stream at a time (the added
+TTFB beside the file store's), 200 streams spread over both, and Stop asked of one while the
+turn runs on the other. Without redis-server those keys are empty and `redis_error` says why.
+
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
 Every load loop is bounded by a request count and a phase deadline, and targets only 127.0.0.1.
@@ -369,11 +374,11 @@ def turn_request(conv_id: str, tag: str) -> dict:
 
 def load_spec(port: int, dialect: str, clients: list[list[dict]], *, spread: float, phase_timeout: float,
               request_timeout: float, keep_gaps: bool = False, stop_after: int | None = None,
-              stop_via: str = "hangup") -> dict:
+              stop_via: str = "hangup", stop_port: int | None = None) -> dict:
     # Every target is sent LiteLLM's master key; the others ignore it.
     return {"host": HOST, "port": port, "dialect": dialect, "token": MASTER_KEY, "clients": clients, "spread": spread,
             "phase_timeout": phase_timeout, "request_timeout": request_timeout, "keep_gaps": keep_gaps,
-            "stop_after": stop_after, "stop_via": stop_via}
+            "stop_after": stop_after, "stop_via": stop_via, "stop_port": stop_port}
 
 
 def create_conversations(server: Service, n: int) -> list[str]:
@@ -482,14 +487,16 @@ def phase_sustain(gw: Gateway, targets: list[Target], tags: Tags, work: Path, lo
     return out
 
 
-def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log, via: str = "hangup") -> dict:
+def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log, via: str = "hangup",
+               stop_port: int | None = None) -> dict:
     """Stop mid-stream; time until the simulator sees the upstream socket close.
 
     `via` "hangup": the client closes its socket (a server with ON_DISCONNECT=stop); "route": the
     client POSTs the stop route from another connection, as the page's Stop button does, and
     reads its stream on to `done`. Each sample uses a conversation of its own, so no sample waits
     on another's save. Stop comes after 3, 6 or 10 deltas (a third of the samples each), so stops
-    land at different points.
+    land at different points. `stop_port`: the stop route is asked of that server instead (another
+    process on the same Redis: the cross-process Stop).
     """
     per_variant = STOP_SAMPLES // len(STOP_AFTER)
     rounds = per_variant // STOP_CLIENTS
@@ -500,8 +507,11 @@ def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log, via: st
         clients = [[turn_request(target.convs[first + c * rounds + r], tags()) for r in range(rounds)]
                    for c in range(STOP_CLIENTS)]
         records += run_load(load_spec(target.port, "turn", clients, spread=0.5, phase_timeout=120,
-                                      request_timeout=30, stop_after=stop_after, stop_via=via), None, work).records
-    sim = {r["tag"]: r for r in gw.call("records", 10.0)}
+                                      request_timeout=30, stop_after=stop_after, stop_via=via,
+                                      stop_port=stop_port), None, work).records
+    sim: dict = {}
+    for r in gw.call("records", 10.0):
+        sim.setdefault(r["tag"], r)  # the turn's own request; a title call after a first turn repeats its tag
     closes = []
     for r in records:
         upstream = sim.get(r["tag"])
@@ -512,6 +522,98 @@ def phase_stop(gw: Gateway, target: Target, tags: Tags, work: Path, log, via: st
     log(f"  {target.label} ({via}): {len(closes)}/{len(records)} upstream closes seen; p50 {ms(out['close'][50])} "
         f"p99 {ms(out['close'][99])} max {ms(out['close'][100])} ms")
     return out
+
+
+# --- Several servers on one Redis ----------------------------------------------------------------
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_STREAMS = 200  # concurrent streams spread over the two STORE=redis processes
+REDIS_KEYS = ("redis_ttfb_added_p50_ms_1", "redis_ttfb_over_files_p50_ms_1", "redis_two_process_completed",
+              "redis_two_process_requested", "cross_process_stop_samples", "cross_process_stop_closed",
+              "cross_process_stop_p50_ms", "cross_process_stop_p99_ms")
+
+
+def start_redis(directory: Path, log_dir: Path) -> Service:
+    """A redis-server of the bench's own: a free port, a temporary directory, AOF on (as deployed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    svc = Service("redis", [REDIS_SERVER, "--port", str(port), "--bind", HOST, "--dir", str(directory),
+                            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"],
+                  port, "", dict(os.environ), directory, log_dir)
+    deadline = time.monotonic() + 30
+    while True:  # ready once PING is +PONG (not -LOADING)
+        try:
+            with socket.create_connection((HOST, port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return svc
+        except OSError:
+            pass
+        if svc.proc.poll() is not None or time.monotonic() > deadline:
+            svc.stop()
+            raise RuntimeError(f"redis-server did not start: {svc.tail()}")
+        time.sleep(0.05)
+
+
+def phase_redis(gw: Gateway, overhead: dict, tags: Tags, work: Path, log) -> dict:
+    """Two STORE=redis servers (started as `make run` starts one) on a Redis of the bench's own.
+
+    One stream at a time through server A beside the simulator direct (the added TTFB, and how much
+    more than the file store's figure of the overhead phase); 200 concurrent streams spread over A
+    and B; Stop asked of B while the stream runs on A, timed to A's upstream socket closing.
+    """
+    if not Path(REDIS_SERVER).exists():
+        log("  redis-server is not installed (apt-get install redis-server): the Redis figures are skipped")
+        return {**dict.fromkeys(REDIS_KEYS), "redis_error": "redis-server is not installed"}
+    started: list[Service] = []
+    try:
+        redis = start_redis(work / "redis", work)
+        started.append(redis)
+        settings = {"STORE": "redis", "REDIS_URL": f"redis://{HOST}:{redis.port}/0"}
+        a = start_server(gw, work / "data-redis-a", work, name="server-redis-a", settings=settings)
+        started.append(a)
+        b = start_server(gw, work / "data-redis-b", work, name="server-redis-b", settings=settings)
+        started.append(b)
+        shape = OVERHEAD_LEVELS[1]
+        log(f"  creating {1 + REDIS_STREAMS + STOP_SAMPLES} conversations in Redis")
+        convs = create_conversations(a, 1 + REDIS_STREAMS + STOP_SAMPLES)
+        on_a = Target("redis", "our server, STORE=redis", a.port, "turn", a, convs[:1])
+        direct = Target("direct", "simulator direct", int(gw.base_url.rsplit(":", 1)[1]), "chat")
+        single = {}
+        for target in (direct, on_a):
+            gw.script(OVERHEAD_REPLY, shape["rounds"] + 10)
+            spec = load_spec(target.port, target.dialect, target.clients(tags, 1, shape["rounds"]), spread=0.0,
+                             phase_timeout=180, request_timeout=120)
+            single[target.name] = summarize(run_load(spec, target.service, work).records)
+        redis_added = single["redis"]["ttfb"][50] - single["direct"]["ttfb"][50] \
+            if None not in (single["redis"]["ttfb"][50], single["direct"]["ttfb"][50]) else None
+        out = {"redis_ttfb_added_p50_ms_1": ms(redis_added)}
+        files = overhead.get(("ours", 1))
+        files_added = files["ttfb"][50] - overhead[("direct", 1)]["ttfb"][50] \
+            if files and ("direct", 1) in overhead else None
+        out["redis_ttfb_over_files_p50_ms_1"] = ms(redis_added - files_added) \
+            if None not in (redis_added, files_added) else None
+        log(f"  one stream through STORE=redis: ttfb added p50 {out['redis_ttfb_added_p50_ms_1']} ms "
+            f"({out['redis_ttfb_over_files_p50_ms_1']} ms over the file store's)")
+
+        gw.script(OVERHEAD_REPLY, REDIS_STREAMS + 20)
+        clients = [[{**turn_request(conv_id, tags()), "port": (a.port, b.port)[i % 2]}]
+                   for i, conv_id in enumerate(convs[1:1 + REDIS_STREAMS])]
+        spread = summarize(run_load(load_spec(a.port, "turn", clients, spread=2.0, phase_timeout=180,
+                                              request_timeout=120), None, work).records)
+        out["redis_two_process_completed"], out["redis_two_process_requested"] = spread["completed"], spread["requests"]
+        log(f"  {REDIS_STREAMS} streams over two processes: {spread['completed']}/{spread['requests']} completed"
+            + (f", errors {spread['errors']}" if spread["errors"] else ""))
+
+        stopping = Target("redis", "our server, STORE=redis, Stop on the other process", a.port, "turn", a,
+                          convs[1 + REDIS_STREAMS:])
+        stop = phase_stop(gw, stopping, tags, work, log, via="route", stop_port=b.port)
+        out["cross_process_stop_samples"], out["cross_process_stop_closed"] = stop["samples"], stop["closed"]
+        out["cross_process_stop_p50_ms"], out["cross_process_stop_p99_ms"] = ms(stop["close"][50]), ms(stop["close"][99])
+        return out
+    finally:
+        for svc in reversed(started):
+            svc.stop()  # by its own pid, Redis last
 
 
 WORDS = ("the of and to in is that for it as with was on be by this are from or at an not have but which we "
@@ -772,6 +874,12 @@ def verdict(results: dict) -> list[str]:
         ("10,000-message turn adds < 50 ms over a 10-message one", results.get("turn_added_ms_10k"),
          lambda v: v < 50.0),
         ("RSS with 200 open streams < 200 MB", results.get("rss_mb_200"), lambda v: v < 200.0),
+        ("STORE=redis: p50 added TTFB at 1 stream within 1 ms of the file store's",
+         results.get("redis_ttfb_over_files_p50_ms_1"), lambda v: v <= 1.0),
+        (f"STORE=redis: {REDIS_STREAMS} streams over two processes all complete",
+         results.get("redis_two_process_completed"), lambda v: v == results.get("redis_two_process_requested")),
+        ("STORE=redis: p99 POST stop on B → A's upstream close < 100 ms", results.get("cross_process_stop_p99_ms"),
+         lambda v: v < 100.0),
     ]
     for label, value, test in checks:
         state = "n/a" if value is None or test is None else ("met" if test(value) else "**MISSED**")
@@ -1011,8 +1119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
-    parser.add_argument("--skip", action="append", default=[], choices=["overhead", "sustain", "stop", "history", "cache", "search", "tools",
-                                 "attachments"],
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=["overhead", "sustain", "stop", "history", "redis", "cache", "search", "tools", "attachments"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1125,6 +1233,8 @@ def main() -> None:
                                   "conversation's turns with py-spy",
                                   lambda: profile_history(gw, server, longest, tags, work, log)) or []
         results.update(flatten(overhead, sustain, stops, history, rss_idle))
+        results.update(attempt("redis", "two STORE=redis servers on one Redis",
+                               lambda: phase_redis(gw, overhead, tags, work, log)) or {})
         if litellm_error:
             # Unmeasured, not zero: the keys are there, empty, and `litellm_error` says why.
             for level in OVERHEAD_LEVELS:

@@ -352,3 +352,34 @@ async def test_the_cache_is_bounded_and_reads_stay_right(redis_server, monkeypat
         assert [m["content"] for m in (await mine.get(conv["id"]))["messages"]] == [conv["title"]]
     assert list(store._cache) == [convs[2]["id"], convs[3]["id"]]
     await store.close()
+
+
+async def test_a_checkpoint_left_by_a_dead_turn_reads_interrupted_once_its_lock_expired(two):
+    a, b = (s.for_owner("alice") for s in two)
+    conv = await a.create(conversation())
+    usage = {"input_tokens": 12, "output_tokens": 3, "cached_tokens": 0, "cache_write_tokens": 0,
+             "cost": None, "searches": 0, "fetches": 0, "estimated": True}
+    checkpoint = {**message("Half a", role="assistant"), "status": "streaming", "usage": usage, "model": "m"}
+    lock = await a.lock_turn(conv["id"])
+    await a.update(conv["id"], lambda c: c["messages"].extend([message("hi"), checkpoint]), lock=lock)
+
+    # The turn holds its lock (on "A"): "B" shows the reply streaming, as it is.
+    live = await b.get(conv["id"])
+    assert live["messages"][-1]["status"] == "streaming" and live["totals"]["turns"] == 0
+    # "A" dies: nobody renews the lock, and once it expired the checkpoint is all that is left.
+    await wait_until(lambda: _not(b.turn_locked(conv["id"])), what="the lock expiring")
+    recovered = await b.get(conv["id"])
+    reply = recovered["messages"][-1]
+    assert (reply["content"], reply["status"], reply["usage"]["estimated"]) == ("Half a", "interrupted", True)
+    assert recovered["totals"]["turns"] == 1 and recovered["totals"]["input_tokens"] == 12
+    # Answered from a copy: what Redis holds changes only with the next turn's write, once.
+    assert (await two[1].load(conv["id"]))["messages"][-1]["status"] == "streaming"
+    assert (await b.get(conv["id"]))["totals"]["turns"] == 1
+    # The conversation takes a new turn, whose fence refuses any late write of the dead one.
+    await b.unlock_turn(await b.lock_turn(conv["id"]))
+    with pytest.raises(LockLost):
+        await a.update(conv["id"], append(message("late")), lock=lock)
+
+
+async def _not(awaitable) -> bool:
+    return not await awaitable

@@ -1,5 +1,6 @@
 """Several server processes on one Redis (STORE=redis): what one makes, the other lists, reads and
-continues; a turn running on one is 409 on the other; ownership holds the same on both."""
+continues; a turn running on one is 409 on the other, stopped and re-attached from the other, and
+recovered by the other when its process dies; ownership holds the same on both."""
 
 from __future__ import annotations
 
@@ -14,21 +15,30 @@ import pytest
 from auth import UserFile
 from redis_support import RedisServer, redis_server  # noqa: F401  (the fixture)
 from simulator import Script, steps
-from support import LiveServer, parse_sse
+from support import LiveServer, hang_up_after_first_delta, parse_sse
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
+from test_reattach import WHOLE, Reader, has_delta, slow_reply, start_conversation, text_of
 
 _databases = itertools.count(1)
 
 
-@pytest.fixture
-def pair(tmp_path, sim, redis_server):  # noqa: F811
+def two_servers(tmp_path, sim, redis_server, **extra: str) -> tuple[LiveServer, LiveServer]:  # noqa: F811
     """Two servers on one Redis database of their own, each with its own (unused) data directory."""
     env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
-           "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
+           "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}", **extra}
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     first = LiveServer(tmp_path / "a" / "data", env)
-    second = LiveServer(tmp_path / "b" / "data", env)
+    try:
+        return first, LiveServer(tmp_path / "b" / "data", env)
+    except BaseException:
+        first.stop()
+        raise
+
+
+@pytest.fixture
+def pair(tmp_path, sim, redis_server):  # noqa: F811
+    first, second = two_servers(tmp_path, sim, redis_server)
     yield first, second
     first.stop()
     second.stop()
@@ -102,6 +112,19 @@ def test_ownership_holds_the_same_on_both_servers(tmp_path, sim, redis_server): 
             assert bob.get(f"/api/conversations/{conv['id']}").status_code == 404
             assert bob.get("/api/conversations").json() == []
             assert alice_on_b.get(f"/api/conversations/{conv['id']}").status_code == 200
+
+            # A turn of Alice's running on A is no more Bob's on B: he can neither follow nor stop it.
+            sim.enqueue(slow_reply())
+            url = f"/api/conversations/{conv['id']}"
+            post = Reader("POST", f"{a.base_url}{url}/messages", json={"content": "mine"},
+                          cookies=dict(alice.cookies))
+            post.wait_for(has_delta)
+            assert alice_on_b.get(url).json()["turn"] is not None
+            assert bob.get(f"{url}/stream", headers={"Last-Event-ID": "1"}).status_code == 404
+            assert bob.post(f"{url}/stop", json={}).status_code == 404
+            events = post.join()
+            assert events[-1][1] == "done" and events[-1][2]["status"] == "complete"
+            assert text_of(events) == WHOLE
     finally:
         a.stop()
         b.stop()
@@ -191,3 +214,119 @@ def test_a_turn_longer_than_the_lock_expiry_keeps_its_lock_by_renewing_it(tmp_pa
     assert busy == [409]
     assert parse_sse(text)[-1][0] == "done"
     assert stored["messages"][-1]["content"] == "Slow and and and and and done."
+
+
+def test_stop_on_one_server_stops_the_turn_where_it_runs(tmp_path, sim, redis_server):  # noqa: F811
+    a, b = two_servers(tmp_path, sim, redis_server)
+    try:
+        sim.enqueue(slow_reply())
+        conv_id = start_conversation(a.base_url)
+        on_a, on_b = f"{a.base_url}/api/conversations/{conv_id}", f"{b.base_url}/api/conversations/{conv_id}"
+        post = Reader("POST", f"{on_a}/messages", json={"content": "tell me a long story"})
+        post.wait_for(has_delta)
+        follower = Reader("GET", f"{on_b}/stream", headers={"Last-Event-ID": "1"})
+        follower.wait_for(has_delta)
+        seen = httpx.get(on_b).json()
+        assert seen["streaming"] is True
+        assert seen["turn"]["assistant_message_id"] == post.events[0][2]["assistant_message_id"]
+        assert seen["turn"]["events"] >= 2
+
+        asked = time.monotonic()
+        assert httpx.post(f"{on_b}/stop", json={}, timeout=20).status_code == 204
+        answered = time.monotonic()
+        after = httpx.get(on_b).json()  # the stop answers once the reply is saved and the turn let go
+
+        record = sim.wait_for_disconnect(timeout=5)
+        assert record.disconnected_at - asked < 1.0, "A's upstream call went on after Stop on B"
+        events = post.join()
+        assert events[-1][1] == "done" and events[-1][2]["status"] == "interrupted"
+        assert events[-1][2]["usage"]["estimated"] is True
+        assert follower.join() == events[1:], "B's follower got every event after 1, once, to the same end"
+        assert answered - asked < 10
+        assert after["streaming"] is False and after["turn"] is None
+        replies = [m for m in after["messages"] if m["role"] == "assistant"]
+        assert [(m["content"], m["status"]) for m in replies] == [(text_of(events), "interrupted")]
+        assert replies[0]["content"] != WHOLE and after["totals"]["turns"] == 1
+        assert httpx.post(f"{on_b}/stop", json={}).status_code == 204, "nothing runs: still 204"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_reattach_on_one_server_gets_every_event_of_the_turn_on_the_other_once(tmp_path, sim, redis_server):  # noqa: F811
+    a, b = two_servers(tmp_path, sim, redis_server)
+    try:
+        sim.enqueue(slow_reply())
+        conv_id = start_conversation(a.base_url)
+        hang_up_after_first_delta(a.base_url, conv_id)
+        rest = Reader("GET", f"{b.base_url}/api/conversations/{conv_id}/stream",
+                      headers={"Last-Event-ID": "1"}).join()
+
+        assert sim.wait_for_requests(1)[0].disconnected_at is None
+        assert [seq for seq, _, _ in rest] == list(range(2, 2 + len(rest))), "every later event, once, in order"
+        assert rest[-1][1] == "done" and rest[-1][2]["status"] == "complete"
+        assert text_of(rest) == WHOLE
+        stored = httpx.get(f"{b.base_url}/api/conversations/{conv_id}").json()
+        assert stored["streaming"] is False and stored["turn"] is None
+        assert [(m["content"], m["status"]) for m in stored["messages"] if m["role"] == "assistant"] == [
+            (WHOLE, "complete")]
+        # Replayed from Redis after the end too, on either server; nothing after the last id.
+        again = Reader("GET", f"{b.base_url}/api/conversations/{conv_id}/stream?after=1").join()
+        assert again == rest
+        assert httpx.get(f"{a.base_url}/api/conversations/{conv_id}/stream",
+                         headers={"Last-Event-ID": str(rest[-1][0])}).status_code == 204
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_server_killed_mid_turn_leaves_the_reply_interrupted_for_the_other(tmp_path, sim, redis_server):  # noqa: F811
+    lock_seconds = 1.0
+    a, b = two_servers(tmp_path, sim, redis_server, TURN_LOCK_SECONDS=str(lock_seconds), CHECKPOINT_SECONDS="0.2")
+    try:
+        sim.enqueue(slow_reply(pause=0.1))
+        conv_id = start_conversation(a.base_url)
+        on_b = f"{b.base_url}/api/conversations/{conv_id}"
+        post = Reader("POST", f"{a.base_url}/api/conversations/{conv_id}/messages",
+                      json={"content": "tell me a long story"})
+        post.wait_for(lambda events: len(text_of(events)) > len("piece0 piece1 "))
+        deadline = time.monotonic() + 10
+        while True:  # B reads A's checkpoint from Redis
+            seen = httpx.get(on_b).json()
+            if seen["messages"][-1]["role"] == "assistant" and seen["messages"][-1]["content"]:
+                break
+            assert time.monotonic() < deadline, "no checkpoint reached Redis"
+            time.sleep(0.02)
+        assert seen["streaming"] is True and seen["messages"][-1]["status"] == "streaming"
+        checkpointed = seen["messages"][-1]["content"]
+        a.process.kill()
+        a.process.wait(10)
+        killed = time.monotonic()
+
+        while True:
+            conv = httpx.get(on_b).json()
+            if conv["messages"][-1]["status"] == "interrupted":
+                break
+            assert time.monotonic() - killed < lock_seconds + 3, "the dead turn's reply stayed streaming"
+            time.sleep(0.02)
+        recovered_after = time.monotonic() - killed
+        assert conv["streaming"] is False and conv["turn"] is None
+        user, reply = conv["messages"]
+        assert reply["content"].startswith(checkpointed) and WHOLE.startswith(reply["content"])
+        assert reply["usage"]["estimated"] is True and reply["usage"]["output_tokens"] > 0
+        assert conv["totals"]["turns"] == 1
+        assert [(c["id"], c["streaming"]) for c in httpx.get(f"{b.base_url}/api/conversations").json()] == [
+            (conv_id, False)]
+
+        sim.enqueue(Script(steps=[steps.Text("Back again.")]))
+        answer = httpx.post(f"{on_b}/messages", json={"content": "go on"}, timeout=10)
+        assert parse_sse(answer.text)[-1][0] == "done"
+        conv = httpx.get(on_b).json()
+        assert [(m["role"], m.get("status")) for m in conv["messages"]] == [
+            ("user", None), ("assistant", "interrupted"), ("user", None), ("assistant", "complete")]
+        assert conv["totals"]["turns"] == 2
+        assert recovered_after < lock_seconds + 3
+    finally:
+        a.stop()
+        b.stop()
+    post.join()
