@@ -13,7 +13,7 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-dev browser-deps redis-deps
 	$(PY) -m pytest
 
-bench: $(VENV)/.installed-bench $(LITELLM)/.installed
+bench: $(VENV)/.installed-bench $(LITELLM)/.installed redis-deps
 	$(PY) bench/run.py
 
 # The benchmark profiles slow turns with py-spy.
