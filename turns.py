@@ -563,7 +563,8 @@ class Turns:
         web = web_tools.enabled(conv["settings"], self.settings)
         preset_name = conv["settings"].get("preset") or "default"
         try:
-            allowed = Presets(self.settings.data_dir, tools.registry.names()).get(preset_name).tools
+            allowed = Presets(self.settings.data_dir, tools.registry.names(),
+                              owner=turn.store.owner).get(preset_name).tools
         except PresetNotFound:
             allowed = ()
         selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,

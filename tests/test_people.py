@@ -230,3 +230,15 @@ async def test_switching_accounts_on_gives_the_first_admin_everything_the_server
             assert [c["id"] for c in (await alice.get("/api/conversations")).json()] == [conv["id"]]
             assert (await alice.get("/api/memory")).json()["text"] == "- Likes tea\n"
             assert (await bob.get("/api/conversations")).json() == []
+
+
+async def test_a_persons_own_preset_decides_the_tools_their_turns_offer(alice, sim):
+    made = await alice.post("/api/presets", json={"name": "notes", "text": "Keep notes.", "tools": ["remember"]})
+    assert made.status_code == 201
+    conv = (await alice.post("/api/conversations", json={"preset": "notes"})).json()
+    sim.enqueue(Script(steps=[steps.Text("Ok.")]))
+
+    await send(alice, conv["id"], "hello")
+
+    declared = [t["function"]["name"] for t in sim.requests[-1].body.get("tools", [])]
+    assert declared == ["remember"], "her own preset's whitelist is the one the turn offers"
