@@ -166,12 +166,13 @@ async function openConversation(id) {
     return;
   }
   // Leaving a conversation mid-reply only stops following it: the reply goes on on the server.
+  const running = state.turn?.convId;
   detach();
   clearFailure();
   const conv = await api.conversation(id);
   const left = state.conv;
   state.conv = conv;
-  await discardIfUntouched(left);
+  if (left?.id !== running) await discardIfUntouched(left);
   await files.load(id);
   history.replaceState(null, "", `#${encodeURIComponent(id)}`);
   el.composer.value = localStorage.getItem(draftKey(id)) || "";
@@ -206,7 +207,9 @@ async function newConversation() {
 async function discardIfUntouched(conv) {
   if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return;
   if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return;
-  if (!isUntouched(conv)) return;
+  // The page's copy may predate a message sent since: the list entry is newer.
+  const entry = state.conversations.find((c) => c.id === conv.id);
+  if (!isUntouched(conv) || entry?.streaming || entry?.message_count) return;
   try {
     await api.deleteConversation(conv.id);
   } catch {
@@ -228,7 +231,7 @@ function isUntouched(conv) {
 async function findUntouched() {
   const candidates = state.conversations.filter((c) => c.message_count === 0 && untitled(c.title)).slice(0, 5);
   for (const c of candidates) {
-    if (localStorage.getItem(draftKey(c.id))) continue;
+    if (localStorage.getItem(draftKey(c.id)) || c.id === state.turn?.convId) continue;
     if (c.id === state.conv?.id && (files.count || files.pending.length)) continue;
     const conv = c.id === state.conv?.id ? state.conv : await api.conversation(c.id).catch(() => null);
     if (conv && isUntouched(conv)) return conv;
