@@ -105,3 +105,27 @@ def test_regenerate_keeps_the_earlier_answer_as_a_sibling(page, server, sim):
     expect(assistant_messages(page)).to_have_count(1)
     expect(assistant_messages(page).last).to_contain_text("First answer.")
     expect(position(assistant_messages(page).last)).to_have_attribute("data-position", "1/2")
+
+
+def test_a_search_hit_on_another_branch_opens_that_branch(page, server, sim):
+    sim.enqueue(Script([steps.Text("Noted.")]), Script([steps.Text("Fine.")]))
+    exchange(page, "Tell me about the narwhal tusk")
+    conv_id = conversation_id(page)
+    first = user_messages(page).first
+    first.get_by_test_id("edit-message").click()
+    first.get_by_test_id("edit-input").fill("Tell me about otters")
+    first.get_by_test_id("edit-send").click()
+    expect(assistant_messages(page).last).to_contain_text("Fine.")
+    expect(user_messages(page)).to_have_text(["Tell me about otters"])
+
+    page.get_by_test_id("search-open").click()
+    page.get_by_test_id("search-input").type("narwhal")
+    hit = page.locator("[data-test=search-result][data-message]").first
+    expect(hit).to_be_visible()
+    message_id = hit.get_attribute("data-message")
+    hit.click()
+
+    highlighted = page.locator("[data-test=message][data-highlighted=true]")
+    expect(highlighted).to_have_attribute("data-id", message_id)
+    expect(user_messages(page)).to_have_text(["Tell me about the narwhal tusk"])
+    assert server.conversation(conv_id)["messages"][0]["content"] == "Tell me about the narwhal tusk"
