@@ -46,6 +46,10 @@ def test_edit_and_resend_starts_a_branch_and_the_arrows_switch_between_them(page
     expect(position(edited)).to_have_attribute("data-position", "2/2")
     expect(edited.get_by_test_id("branch-next")).to_be_disabled()
     screenshot(page, "branches")
+    page.set_viewport_size({"width": 390, "height": 844})
+    expect(edited.get_by_test_id("branch-prev")).to_be_visible()
+    screenshot(page, "branches-phone")
+    page.set_viewport_size({"width": 1280, "height": 860})
 
     edited.get_by_test_id("branch-prev").click()
     expect(user_messages(page)).to_have_text(["What is the capital of France?", "How many people live there?"])
