@@ -660,7 +660,6 @@ async function stop() {
   const turn = state.turn;
   const convId = turn?.convId ?? (state.conv?.streaming ? state.conv.id : null);
   if (!convId) return;
-  if (turn) turn.stopping = true;
   el.send.disabled = true;
   try {
     await api.stop(convId);
@@ -1177,7 +1176,7 @@ function onShortcut(e) {
     if (document.querySelector("dialog[open]") || e.target.classList?.contains("conv-rename")) return;
     if ($("conv-menu").open) $("conv-menu").open = false;
     else if (el.app.classList.contains("sidebar-open")) closeSidebar();
-    else if (state.turn) stop().catch(showError);
+    else if (state.turn || state.conv?.streaming) stop().catch(showError);
   } else if (e.key === "?" && !mod && !e.altKey && !typingInField(e.target) && !document.querySelector("dialog[open]")) {
     e.preventDefault();
     $("shortcuts").showModal();
