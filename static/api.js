@@ -51,7 +51,8 @@ export const api = {
   login: (token) => request("POST", "/api/login", { token }),
   models: () => request("GET", "/api/models"),
   // Ids may contain "/" (OpenRouter style) and the route takes the rest of the path.
-  addModel: (id, tier) => request("POST", "/api/models", { id, tier }),
+  addModel: (id, tier, toolRuntime) =>
+    request("POST", "/api/models", toolRuntime ? { id, tier, tool_runtime: toolRuntime } : { id, tier }),
   removeModel: (id) => request("DELETE", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`),
   presets: () => request("GET", "/api/presets"),
   tools: () => request("GET", "/api/tools"),
@@ -66,6 +67,8 @@ export const api = {
   conversation: (id) => request("GET", conv(id)),
   patchConversation: (id, patch) => request("PATCH", conv(id), patch),
   deleteConversation: (id) => request("DELETE", conv(id)),
+  stop: (id) => request("POST", `${conv(id)}/stop`, {}),
+  branch: (id, messageId) => request("POST", `${conv(id)}/branch`, { message_id: messageId }),
   rewind: (id) => request("POST", `${conv(id)}/rewind`, {}, { retryBusy: true }),
   compress: (id) => request("POST", `${conv(id)}/compress`, {}, { retryBusy: true }),
   reviewFacts: (id, noticeId, keep) => request("POST", `${conv(id)}/facts`, { notice_id: noticeId, keep }),
@@ -120,26 +123,28 @@ async function fetchRetryingBusy(path, init) {
   }
 }
 
-/** Open a turn stream (`messages` or `regenerate`) and return the Response for sse.js. */
-export async function openTurn(id, kind, body, signal) {
-  const post = (b) => fetchRetryingBusy(`${conv(id)}/${kind}`, {
-    method: "POST",
-    headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-    body: JSON.stringify(b),
+/**
+ * Re-attach to the turn running on a conversation: a Response with the events after `after`, or
+ * null (204) when no turn runs there any more.
+ */
+export async function attachTurn(id, after, signal) {
+  const res = await fetch(`${conv(id)}/stream`, {
+    headers: { Accept: "text/event-stream", "Last-Event-ID": String(after) },
     signal,
   });
-  let res = await post(body);
-  if (!res.ok) {
-    const detail = await readDetail(res);
-    // A server without `attachment_ids` on messages still lets its tools read the conversation's
-    // files: send the text alone rather than refuse the message.
-    if (res.status === 422 && body.attachment_ids && /attachment_ids/.test(describeDetail(detail))) {
-      const { attachment_ids: _unsupported, ...plain } = body;
-      res = await post(plain);
-      if (!res.ok) throw new ApiError(res.status, await readDetail(res));
-      return res;
-    }
-    throw new ApiError(res.status, detail);
-  }
+  if (res.status === 204) return null;
+  if (!res.ok) throw new ApiError(res.status, await readDetail(res));
+  return res;
+}
+
+/** Open a turn stream (`messages` or `regenerate`) and return the Response for sse.js. */
+export async function openTurn(id, kind, body, signal) {
+  const res = await fetchRetryingBusy(`${conv(id)}/${kind}`, {
+    method: "POST",
+    headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
+    body: JSON.stringify(body),
+    signal,
+  });
+  if (!res.ok) throw new ApiError(res.status, await readDetail(res));
   return res;
 }

@@ -2,11 +2,12 @@
 // their actions, the header meters. Rendering lives in views.js/activity.js/markdown.js, the wire in
 // api.js/sse.js; this module decides what happens when.
 
-import { api, ApiError, exportUrl, openTurn, upload } from "./api.js";
+import { api, ApiError, attachTurn, exportUrl, openTurn, upload } from "./api.js";
+import { branchSwitcher } from "./branches.js";
 import { showAccountLogin, startAuth } from "./auth.js";
 import { Files } from "./files.js";
 import { SearchBox } from "./search.js";
-import { readEvents } from "./sse.js";
+import { followTurn } from "./sse.js";
 import { SettingsPanel } from "./settings.js";
 import { UNTITLED, button, node, tierLabel } from "./ui.js";
 import {
@@ -49,7 +50,8 @@ const state = {
   // Whether the server knows `pinned`/`archived` (its list entries carry them); null until read.
   organizes: null,
   conv: null,
-  // The turn streaming now: {convId, controller, view, userEl}.
+  // The turn this page follows now: {convId, controller, view, userEl}. The turn itself runs on
+  // the server: leaving it only stops the reading.
   turn: null,
   // The failure line under the transcript: an error event's data plus what a retry resends.
   failure: null,
@@ -135,6 +137,16 @@ async function loadList() {
   // A server without archiving has no archived view: the list is everything.
   state.conversations = state.archivedView && state.organizes ? list.filter((c) => c.archived) : list;
   renderList();
+  watchRunningTurns();
+}
+
+let listTimer = null;
+
+/** While a conversation the page is not following has a running turn, re-read the list now and then. */
+function watchRunningTurns() {
+  clearTimeout(listTimer);
+  const elsewhere = state.conversations.some((c) => c.streaming && c.id !== state.turn?.convId);
+  if (elsewhere) listTimer = setTimeout(() => loadList().catch(() => {}), 2000);
 }
 
 /** Re-read the open conversation (and the list) from the server, the source of truth. */
@@ -153,13 +165,14 @@ async function openConversation(id) {
     closeSidebar();
     return;
   }
-  // Leaving a conversation mid-reply stops the reply, as closing the tab would.
-  if (state.turn) stop();
+  // Leaving a conversation mid-reply only stops following it: the reply goes on on the server.
+  const running = state.turn?.convId;
+  detach();
   clearFailure();
   const conv = await api.conversation(id);
   const left = state.conv;
   state.conv = conv;
-  await discardIfUntouched(left);
+  if (left?.id !== running) await discardIfUntouched(left);
   await files.load(id);
   history.replaceState(null, "", `#${encodeURIComponent(id)}`);
   el.composer.value = localStorage.getItem(draftKey(id)) || "";
@@ -169,6 +182,7 @@ async function openConversation(id) {
   renderList();
   closeSidebar();
   scrollToBottom(true);
+  if (conv.streaming) follow(conv).catch(showError);
 }
 
 /**
@@ -193,7 +207,9 @@ async function newConversation() {
 async function discardIfUntouched(conv) {
   if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return;
   if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return;
-  if (!isUntouched(conv)) return;
+  // The page's copy may predate a message sent since: the list entry is newer.
+  const entry = state.conversations.find((c) => c.id === conv.id);
+  if (!isUntouched(conv) || entry?.streaming || entry?.message_count) return;
   try {
     await api.deleteConversation(conv.id);
   } catch {
@@ -215,7 +231,7 @@ function isUntouched(conv) {
 async function findUntouched() {
   const candidates = state.conversations.filter((c) => c.message_count === 0 && untitled(c.title)).slice(0, 5);
   for (const c of candidates) {
-    if (localStorage.getItem(draftKey(c.id))) continue;
+    if (localStorage.getItem(draftKey(c.id)) || c.id === state.turn?.convId) continue;
     if (c.id === state.conv?.id && (files.count || files.pending.length)) continue;
     const conv = c.id === state.conv?.id ? state.conv : await api.conversation(c.id).catch(() => null);
     if (conv && isUntouched(conv)) return conv;
@@ -274,6 +290,14 @@ function renderListItem(c) {
   const model = state.modelIndex.get(c.model)?.label || c.model;
   meta.textContent = `${model} · ${c.message_count} ${c.message_count === 1 ? "message" : "messages"}`;
   open.append(name, meta);
+  if (c.streaming) {
+    li.classList.add("running");
+    const mark = node("span", "conv-running", "●");
+    mark.dataset.test = "conversation-running";
+    mark.title = "A reply is being written";
+    mark.setAttribute("aria-label", "A reply is being written");
+    meta.prepend(mark, " ");
+  }
   open.addEventListener("click", () => openConversation(c.id).catch(showError));
 
   const rename = button("✎", { className: "icon small", label: `Rename “${title}”`, onClick: () => startRename(li, c) });
@@ -354,7 +378,8 @@ function disarmDelete(button) {
 }
 
 async function deleteConversation(id) {
-  if (state.turn?.convId === id) stop();
+  // The server stops a running turn before it deletes.
+  if (state.turn?.convId === id) detach();
   await api.deleteConversation(id);
   localStorage.removeItem(draftKey(id));
   await loadList();
@@ -456,11 +481,104 @@ function renderTranscript() {
   const archive = renderArchive(state.conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
   // Re-reading the conversation keeps folded history open if the person opened it.
   if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
-  el.messages.replaceChildren(...(archive ? [archive] : []), ...messages.map((m) => renderMessage(m, options)));
+  const live = state.turn?.convId === state.conv?.id ? state.turn.view : null;
+  const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id).map((m) => decorate(m, renderMessage(m, options)));
+  el.messages.replaceChildren(...(archive ? [archive] : []), ...shown, ...(live ? [live.el] : []));
   renderGreeting();
   renderRegenerate();
   renderFailure();
   scrollToBottom(stick);
+}
+
+/** Add a message's own controls: the branch switcher, and Edit on what the person typed. */
+function decorate(m, node_) {
+  if (m.role === "notice") return node_;
+  const busy = !!state.turn || !!state.conv?.streaming;
+  const switcher = branchSwitcher(m.id, state.conv?.branches, {
+    disabled: busy, onSwitch: (sibling) => switchBranch(sibling).catch(showError),
+  });
+  let actions = node_.querySelector(".message-actions");
+  if (m.role === "user") {
+    actions = node("div", "message-actions");
+    // Drawn by CSS (no text of its own), so the message reads as exactly what was typed.
+    const edit = button("", { className: "small edit-message", label: "Edit and resend", onClick: () => startEdit(m, node_) });
+    edit.dataset.test = "edit-message";
+    edit.title = "Change this message and send it again (the old version is kept)";
+    edit.disabled = busy;
+    actions.append(edit);
+    node_.append(actions);
+  }
+  if (switcher) actions.prepend(switcher);
+  return node_;
+}
+
+/** Make the path through `messageId` the current one (the server answers the Conversation). */
+async function switchBranch(messageId) {
+  if (state.turn || !state.conv) return;
+  const conv = await api.branch(state.conv.id, messageId);
+  if (state.conv?.id !== conv.id) return;
+  clearFailure();
+  state.conv = conv;
+  renderHeader();
+  renderTranscript();
+}
+
+/** Edit a sent message in place; sending it starts a new branch beside the old one. */
+function startEdit(m, article) {
+  if (state.turn || article.querySelector(".edit-box")) return;
+  const box = node("div", "edit-box");
+  const input = document.createElement("textarea");
+  input.className = "edit-input";
+  input.dataset.test = "edit-input";
+  input.setAttribute("aria-label", "Edit the message");
+  input.value = m.content || "";
+  input.rows = Math.min(12, Math.max(2, input.value.split("\n").length));
+  const cancel = button("Cancel", { className: "small" });
+  cancel.dataset.test = "edit-cancel";
+  const save = button("Send", { className: "primary small" });
+  save.dataset.test = "edit-send";
+  const row = node("div", "edit-actions");
+  row.append(cancel, save);
+  box.append(input, row);
+  const hidden = [...article.children];
+  for (const child of hidden) child.hidden = true;
+  article.append(box);
+  const close = () => {
+    box.remove();
+    for (const child of hidden) child.hidden = false;
+  };
+  cancel.addEventListener("click", close);
+  const submit = () => {
+    const text = input.value;
+    if (!text.trim() || state.turn) return;
+    resendEdited(m, text).catch(showError);
+  };
+  save.addEventListener("click", submit);
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") {
+      e.stopPropagation();
+      close();
+    } else if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
+      e.preventDefault();
+      submit();
+    }
+  });
+  input.focus();
+}
+
+/** Send an edited message as a sibling of `m`: the transcript from `m` on gives way to the new turn. */
+async function resendEdited(m, text) {
+  if (state.turn || !state.conv) return;
+  clearFailure();
+  const from = el.messages.querySelector(`[data-id="${CSS.escape(m.id)}"]`);
+  for (let n = from; n; ) {
+    const next = n.nextElementSibling;
+    n.remove();
+    n = next;
+  }
+  const userEl = renderUser({ content: text });
+  el.messages.append(userEl);
+  await runTurn("messages", { content: text, parent_id: m.parent_id ?? null }, { userEl, text });
 }
 
 /** An empty conversation greets with what this is and a few prompts to start from. */
@@ -533,41 +651,118 @@ async function regenerate() {
   await runTurn("regenerate", {}, {});
 }
 
-function stop() {
-  state.turn?.controller.abort();
+/**
+ * Stop the reply: the server stops the turn, saves what arrived as interrupted, and ends every
+ * stream following it with `done` (`status: "interrupted"`). Works without a stream open too
+ * (a reload that could not re-attach): the page then re-reads the conversation.
+ */
+async function stop() {
+  const turn = state.turn;
+  const convId = turn?.convId ?? (state.conv?.streaming ? state.conv.id : null);
+  if (!convId) return;
+  el.send.disabled = true;
+  try {
+    await api.stop(convId);
+  } catch (err) {
+    // The route is out of reach: at least stop reading, and say why.
+    turn?.controller.abort();
+    throw err;
+  } finally {
+    el.send.disabled = false;
+  }
+  if (!turn) {
+    await refresh();
+    return;
+  }
+  // The saved reply ends the stream at once; should the stream have gone quiet, let go of it.
+  setTimeout(() => {
+    if (state.turn === turn) turn.controller.abort();
+  }, 3000);
+}
+
+/** Stop following the turn in this page (the reply goes on on the server). */
+function detach() {
+  const turn = state.turn;
+  if (!turn) return;
+  turn.detached = true;
+  turn.controller.abort();
+  state.turn = null;
+  setStreaming(false);
+}
+
+function newTurn(convId, model, { userEl = null, sentFiles = [] } = {}) {
+  const view = new AssistantView({ model, reasoning: isReasoning(model) });
+  view.startStreaming();
+  const turn = { convId, controller: new AbortController(), view, userEl, sentFiles };
+  state.turn = turn;
+  setStreaming(true);
+  return turn;
 }
 
 /** Run one turn stream to its end, then settle the transcript by what ended it. */
 async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] }) {
   const conv = state.conv;
-  const view = new AssistantView({ model: conv.model, reasoning: isReasoning(conv.model) });
-  view.startStreaming();
-  el.messages.append(view.el);
-  const turn = { convId: conv.id, controller: new AbortController(), view, userEl, sentFiles };
-  state.turn = turn;
-  setStreaming(true);
+  const turn = newTurn(conv.id, conv.model, { userEl, sentFiles });
+  el.messages.append(turn.view.el);
   scrollToBottom(true);
-
-  let outcome = { type: "lost" };
+  let outcome;
   try {
     const res = await openTurn(conv.id, kind, body, turn.controller.signal);
-    for await (const { event, data } of readEvents(res)) {
-      if (event === "done" || event === "error") {
-        outcome = { type: event, data };
-        break;
-      }
-      // Follow the reply only if the person has not scrolled up to read.
-      const follow = nearBottom();
-      handleEvent(turn, event, data);
-      if (follow) scrollToBottom(true);
-    }
+    // The list marks conversations with a running turn: this one now has one.
+    loadList().catch(() => {});
+    outcome = await readTurn(turn, res, 0);
   } catch (err) {
     if (err.name === "AbortError") outcome = { type: "aborted" };
     else if (err instanceof ApiError) outcome = { type: "rejected", error: err };
     else outcome = { type: "lost", error: err };
   }
-  state.turn = null;
-  setStreaming(false);
+  await endTurn(turn, outcome, text);
+}
+
+/**
+ * Follow a turn already running on the server (after a switch, a reload, in a second tab): its
+ * events are replayed from the start into a fresh reply, in place of the checkpoint, then live.
+ */
+async function follow(conv) {
+  if (state.turn || state.conv?.id !== conv.id) return;
+  const checkpoint = conv.turn?.assistant_message_id;
+  const turn = newTurn(conv.id, conv.model);
+  const saved = checkpoint && el.messages.querySelector(`[data-id="${CSS.escape(checkpoint)}"]`);
+  if (saved) saved.replaceWith(turn.view.el);
+  else el.messages.append(turn.view.el);
+  renderGreeting();
+  scrollToBottom(true);
+  let outcome;
+  try {
+    const res = await attachTurn(conv.id, 0, turn.controller.signal);
+    outcome = res ? await readTurn(turn, res, 0) : { type: "ended" };
+  } catch (err) {
+    if (err.name === "AbortError") outcome = { type: "aborted" };
+    else outcome = { type: "lost", error: err };
+  }
+  await endTurn(turn, outcome, null);
+}
+
+/** Read a turn's events into the page until `done` or `error`, reconnecting after a blip. */
+async function readTurn(turn, res, lastId) {
+  const reopen = (after) => attachTurn(turn.convId, after, turn.controller.signal);
+  for await (const { event, data } of followTurn(res, reopen, { lastId })) {
+    if (event === "done" || event === "error") return { type: event, data };
+    // Follow the reply only if the person has not scrolled up to read.
+    const stick = nearBottom();
+    handleEvent(turn, event, data);
+    if (stick) scrollToBottom(true);
+  }
+  // Nothing runs any more (the turn ended while the page was not reading): the store knows how.
+  return { type: "ended" };
+}
+
+async function endTurn(turn, outcome, text) {
+  if (turn.detached) return;
+  if (state.turn === turn) {
+    state.turn = null;
+    setStreaming(false);
+  }
   await settleTurn(turn, outcome, text).catch(showError);
 }
 
@@ -583,6 +778,8 @@ function handleEvent(turn, event, data) {
       }
       break;
     case "compression": {
+      // A replayed turn's notice may already be in the transcript, read with the conversation.
+      if (data.notice?.id && el.messages.querySelector(`[data-id="${CSS.escape(data.notice.id)}"]`)) break;
       // The server sends the notice it stored; older servers only the numbers.
       const notice = renderNotice(data.notice ?? { content: describeCompression(data) });
       el.messages.insertBefore(notice, userEl || view.el);
@@ -608,7 +805,16 @@ async function settleTurn(turn, outcome, text) {
   const here = state.conv?.id === turn.convId;
   switch (outcome.type) {
     case "done":
-      view.setFinal("complete", outcome.data.usage, outcome.data.citations);
+      view.setFinal(outcome.data.status || "complete", outcome.data.usage, outcome.data.citations);
+      if (here) {
+        await refresh();
+        const replies = state.conv?.messages.filter((m) => m.role === "assistant").length;
+        if (state.conv?.title_source === "auto" && replies === 1) awaitTitle(turn.convId);
+      }
+      return;
+    case "ended":
+      if (view.isEmpty) view.el.remove();
+      else view.setFinal("interrupted");
       if (here) await refresh();
       return;
     case "aborted":
@@ -678,6 +884,29 @@ async function settleTurn(turn, outcome, text) {
       }
       renderFailure();
     }
+  }
+}
+
+/**
+ * The title the summarizer gives after the first reply arrives in the background: look for it a
+ * few times over a few seconds, then leave the first-line title be.
+ */
+async function awaitTitle(convId) {
+  for (let attempt = 1; attempt <= 6; attempt++) {
+    await new Promise((resolve) => setTimeout(resolve, 500 * attempt));
+    const conv = await api.conversation(convId).catch(() => null);
+    if (!conv || conv.title_source === "auto") continue;
+    const entry = state.conversations.find((c) => c.id === convId);
+    if (entry) {
+      entry.title = conv.title;
+      renderList();
+    }
+    if (state.conv?.id === convId && !state.turn) {
+      state.conv.title = conv.title;
+      state.conv.title_source = conv.title_source;
+      renderHeader();
+    }
+    return;
   }
 }
 
@@ -872,6 +1101,9 @@ async function openAt(id, messageId) {
   if (state.archivedView && !state.conversations.some((c) => c.id === id)) await showArchived(false);
   await openConversation(id);
   if (!messageId) return;
+  const onPath = [...(state.conv.archive || []), ...state.conv.messages].some((m) => m.id === messageId);
+  // A hit on another branch: make its branch the current one first (not while a reply runs).
+  if (!onPath && !state.turn) await switchBranch(messageId).catch(() => {});
   const target = el.messages.querySelector(`[data-id="${CSS.escape(messageId)}"]`);
   if (!target) return;
   const folded = target.closest("details");
@@ -944,7 +1176,7 @@ function onShortcut(e) {
     if (document.querySelector("dialog[open]") || e.target.classList?.contains("conv-rename")) return;
     if ($("conv-menu").open) $("conv-menu").open = false;
     else if (el.app.classList.contains("sidebar-open")) closeSidebar();
-    else if (state.turn) stop();
+    else if (state.turn || state.conv?.streaming) stop().catch(showError);
   } else if (e.key === "?" && !mod && !e.altKey && !typingInField(e.target) && !document.querySelector("dialog[open]")) {
     e.preventDefault();
     $("shortcuts").showModal();
@@ -1057,7 +1289,7 @@ function hashId() {
 function wire() {
   el.form.addEventListener("submit", (e) => {
     e.preventDefault();
-    if (state.turn) stop();
+    if (state.turn) stop().catch(showError);
     else send().catch(showError);
   });
   el.composer.addEventListener("keydown", (e) => {
@@ -1118,8 +1350,6 @@ function wire() {
       el.composer.focus();
     });
   }
-  // Closing the tab mid-reply takes the same path as Stop: the fetch is aborted.
-  window.addEventListener("pagehide", stop);
 }
 
 async function boot() {

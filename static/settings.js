@@ -23,6 +23,7 @@ export class SettingsPanel {
       context_budget: $("set-budget"),
       web_search: $("set-web-search"),
       web_fetch: $("set-web-fetch"),
+      approve_facts: $("set-approve-facts"),
       tool_instructions: $("set-tool-instructions"),
       compression_prompt: $("set-compression-prompt"),
     };
@@ -99,6 +100,7 @@ export class SettingsPanel {
     this.fields.context_budget.value = s.context_budget ?? "";
     this.fields.web_search.checked = !!s.web_search;
     this.fields.web_fetch.checked = !!s.web_fetch;
+    this.fields.approve_facts.checked = !!s.approve_facts;
     this.fields.tool_instructions.value = s.tool_instructions ?? "";
     this.fields.compression_prompt.value = s.compression_prompt ?? "";
     for (const field of Object.values(this.fields)) field.disabled = !conv;
@@ -190,11 +192,14 @@ export class SettingsPanel {
       context_budget: budget,
       web_search: f.web_search.checked,
       web_fetch: f.web_fetch.checked,
+      approve_facts: f.approve_facts.checked,
       tool_instructions: f.tool_instructions.value,
       compression_prompt: f.compression_prompt.value,
     };
     return Object.fromEntries(
-      Object.entries(next).filter(([key, value]) => value !== (current[key] ?? "")),
+      // A switch the conversation does not carry yet reads as off.
+      Object.entries(next).filter(([key, value]) =>
+        value !== (typeof value === "boolean" ? !!current[key] : current[key] ?? "")),
     );
   }
 
@@ -284,7 +289,7 @@ export class SettingsPanel {
     const id = $("model-add-id").value.trim();
     if (!id) return;
     try {
-      await api.addModel(id, $("model-add-tier").value);
+      await api.addModel(id, $("model-add-tier").value, $("model-add-runtime").value || undefined);
       $("model-add-id").value = "";
       await this.app.modelsChanged();
       this.renderLineup();

@@ -1,6 +1,8 @@
 // Server-sent events, decoded the way the spec says: lines may end in \r\n, \n or \r, a line or a
 // multi-byte character may be split across network reads, `data:` lines join with "\n", lines
-// starting with ":" are comments. Knows nothing about what the events mean.
+// starting with ":" are comments, `id:` sets the last event id (kept from one event to the next, as
+// the spec says). Knows nothing about what the events mean, except that a turn's numbering starts
+// again at its `start` event (see `followTurn`).
 
 export class SSEDecoder {
   constructor() {
@@ -8,6 +10,7 @@ export class SSEDecoder {
     this.sawCR = false;
     this.eventType = "";
     this.data = [];
+    this.lastId = "";
   }
 
   /** Feed decoded text; returns the events completed by it as [{event, data}]. */
@@ -35,7 +38,7 @@ export class SSEDecoder {
   takeLine(line, events) {
     if (line === "") {
       if (this.data.length) {
-        events.push({ event: this.eventType || "message", data: this.data.join("\n") });
+        events.push({ event: this.eventType || "message", data: this.data.join("\n"), id: this.lastId });
       }
       this.data = [];
       this.eventType = "";
@@ -48,10 +51,11 @@ export class SSEDecoder {
     if (value.startsWith(" ")) value = value.slice(1);
     if (field === "event") this.eventType = value;
     else if (field === "data") this.data.push(value);
+    else if (field === "id" && !value.includes("\0")) this.lastId = value;
   }
 }
 
-/** Yield {event, data} (data parsed as JSON when it is JSON) from a fetch Response body. */
+/** Yield {event, data, id} (data parsed as JSON when it is JSON) from a fetch Response body. */
 export async function* readEvents(response) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder("utf-8");
@@ -72,8 +76,51 @@ export async function* readEvents(response) {
 
 function parse(ev) {
   try {
-    return { event: ev.event, data: JSON.parse(ev.data) };
+    return { event: ev.event, data: JSON.parse(ev.data), id: ev.id };
   } catch {
-    return { event: ev.event, data: ev.data };
+    return { event: ev.event, data: ev.data, id: ev.id };
+  }
+}
+
+/**
+ * Follow one turn to its end across network blips, as EventSource would: yield its events from
+ * `response`; when the stream breaks before `done` or `error`, call `reopen(lastId)` (a Response
+ * for the events after `lastId`, or null when nothing runs any more) and go on from there, so no
+ * text is lost and none repeats. `lastId` is the last `id` seen on this stream, reset by `start`
+ * (a turn numbers its events from 1). Returns without `done`/`error` when `reopen` gives null;
+ * throws the last failure after `attempts` reopenings in a row that brought nothing; an abort
+ * (AbortError) is thrown at once.
+ */
+export async function* followTurn(response, reopen, { lastId = 0, attempts = 5, pauseMs = 300 } = {}) {
+  let failures = 0;
+  let failure = null;
+  for (;;) {
+    if (response) {
+      failure = new Error("the stream ended before the reply did");
+      try {
+        for await (const ev of readEvents(response)) {
+          if (ev.event === "start") lastId = 0;
+          const id = Number(ev.id);
+          if (ev.id !== "" && Number.isInteger(id)) lastId = id;
+          failures = 0;
+          yield ev;
+          if (ev.event === "done" || ev.event === "error") return;
+        }
+      } catch (err) {
+        if (err.name === "AbortError") throw err;
+        failure = err;
+      }
+    }
+    if (++failures > attempts) throw failure;
+    await new Promise((resolve) => setTimeout(resolve, pauseMs * failures));
+    try {
+      response = await reopen(lastId);
+      if (response === null) return;
+    } catch (err) {
+      // The server is out of reach for now: that counts as one more failed attempt.
+      if (err.name === "AbortError") throw err;
+      failure = err;
+      response = undefined;
+    }
   }
 }

@@ -43,12 +43,11 @@ def gateway():
 def server(tmp_path_factory, gateway):
     # A small recent window lets a two-turn conversation have something old enough to compress;
     # a small message limit lets a test type a message the server refuses; the web tools start on,
-    # so scripted search turns reach the page as searches. The page's Stop still aborts its request
-    # rather than calling the stop route, so hang-up must stop the turn here.
+    # so scripted search turns reach the page as searches. A hang-up does not stop a turn (the
+    # server's default): only Stop does.
     srv = Server(tmp_path_factory.mktemp("e2e") / "data", {
         "GATEWAY_BASE_URL": gateway.base_url, "UPSTREAM_TIMEOUT": "10", "KEEP_RECENT_MESSAGES": "2",
         "MAX_MESSAGE_CHARS": "2000", "DEFAULT_WEB_SEARCH": "true", "DEFAULT_WEB_FETCH": "true",
-        "ON_DISCONNECT": "stop",
     })
     yield srv
     srv.stop()

@@ -86,11 +86,10 @@ def test_files_dropped_or_picked_show_as_chips_in_the_panel_and_download_and_del
     expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
     expect(chips).to_have_count(0)
     saved = server.conversation(conv_id)["messages"][0]
-    if "attachment_ids" in saved:
-        # The server keeps which files went with the message: the chips come from the saved message.
-        assert sorted(saved["attachment_ids"]) == sorted(a["id"] for a in stored)
-        page.reload()
-        expect(user_messages(page).first.locator("[data-test=attachment-chip]")).to_have_count(2)
+    # The server keeps which files went with the message: the chips come from the saved message.
+    assert sorted(saved["attachment_ids"]) == sorted(a["id"] for a in stored)
+    page.reload()
+    expect(user_messages(page).first.locator("[data-test=attachment-chip]")).to_have_count(2)
 
     page.get_by_test_id("files-open").click()
     panel = page.get_by_test_id("files")
@@ -130,12 +129,12 @@ def test_the_library_lists_uploads_and_the_conversation_setting_follows_the_serv
     page.get_by_test_id("library-toggle").check()
     status = page.get_by_test_id("files-status")
     expect(status).not_to_be_empty()
-    if server.conversation(conv_id)["settings"].get("library") is True:
-        expect(page.get_by_test_id("library-toggle")).to_be_checked()
-    else:
-        # A server without the setting refuses it: the toggle goes and the panel says why.
-        expect(page.get_by_test_id("library-toggle")).to_be_hidden()
-        expect(status).to_contain_text("cannot yet")
+    eventually(lambda: server.conversation(conv_id)["settings"].get("library") is True)
+    expect(page.get_by_test_id("library-toggle")).to_be_checked()
+    page.reload()
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    page.get_by_test_id("files-open").click()
+    expect(page.get_by_test_id("library-toggle")).to_be_checked()
 
     library.filter(has_text="glossary.md").get_by_test_id("file-delete").click()
     expect(library.filter(has_text="glossary.md")).to_have_count(0)
@@ -338,14 +337,10 @@ def test_the_conversation_chooses_among_its_presets_tools(page, server):
     box.locator(f"input[value={dropped}]").uncheck()
     page.get_by_role("button", name="Save", exact=True).click()
     expect(page.locator("#settings-status")).not_to_be_empty()
-    now = server.conversation(conv_id)["settings"]["tools"]
-    if dropped not in now:
-        assert now == [t for t in settings["tools"] if t != dropped]
-    else:
-        # A server that does not take `settings.tools` yet: the choice turns read-only and says why.
-        expect(page.get_by_test_id("conversation-tools-note")).to_be_visible()
-        for check in checks.all():
-            expect(check).to_be_disabled()
+    now = eventually(lambda: (tools := server.conversation(conv_id)["settings"]["tools"]) != settings["tools"] and tools)
+    assert now == [t for t in settings["tools"] if t != dropped]
+    expect(page.get_by_test_id("conversation-tools-note")).to_be_hidden()
+    expect(box.locator(f"input[value={dropped}]")).not_to_be_checked()
 
 
 def test_pin_and_archive_follow_the_server(page, server, sim):
@@ -353,21 +348,18 @@ def test_pin_and_archive_follow_the_server(page, server, sim):
     exchange(page, "Pin me")
     conv_id = conversation_id(page)
     entry = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
-    listed = server.api("GET", "/api/conversations").json()
-    if "pinned" not in listed[0]:
-        # This server keeps neither: no control offers what it cannot do.
-        expect(entry.get_by_test_id("pin-toggle")).to_have_count(0)
-        expect(page.get_by_test_id("show-archived")).to_be_hidden()
-        page.get_by_test_id("conversation-menu").click()
-        expect(page.get_by_test_id("menu-pin")).to_be_hidden()
-        expect(page.get_by_test_id("menu-archive")).to_be_hidden()
-        return
     entry.get_by_test_id("pin-toggle").click()
     eventually(lambda: server.conversation(conv_id)["pinned"] is True)
     expect(page.get_by_test_id("conversation-list").locator("li").first).to_have_attribute("data-id", conv_id)
     entry.get_by_test_id("archive-toggle").click()
     eventually(lambda: server.conversation(conv_id)["archived"] is True)
     expect(entry).to_have_count(0)
+    page.get_by_test_id("show-archived").click()
+    archived = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+    expect(archived).to_have_count(1)
+    archived.get_by_test_id("archive-toggle").click()
+    eventually(lambda: server.conversation(conv_id)["archived"] is False)
+    expect(archived).to_have_count(0)
     page.get_by_test_id("show-archived").click()
     expect(page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")).to_have_count(1)
 

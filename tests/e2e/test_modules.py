@@ -140,6 +140,7 @@ def test_streaming_renders_a_finished_block_once_and_the_prefix_only_when_a_line
 
 SSE_BODY = (
     ": keep-alive comment\r\n"
+    "id: 7\r\n"
     "event: delta\r\n"
     'data: {"text": "안녕 🙂"}\r\n'
     "\r\n"
@@ -147,15 +148,17 @@ SSE_BODY = (
     "data: second line\n"
     "\n"
     "event: done\r"
+    "id: 8\r"
     "data: {}\r"
     "\r"
     "event: incomplete\n"
     "data: never dispatched"
 )
+# An id holds for the events after it until another one comes, as the spec says.
 SSE_EVENTS = [
-    {"event": "delta", "data": '{"text": "안녕 🙂"}'},
-    {"event": "message", "data": "first line\nsecond line"},
-    {"event": "done", "data": "{}"},
+    {"event": "delta", "data": '{"text": "안녕 🙂"}', "id": "7"},
+    {"event": "message", "data": "first line\nsecond line", "id": "7"},
+    {"event": "done", "data": "{}", "id": "8"},
 ]
 
 
@@ -201,9 +204,9 @@ def test_read_events_parses_json_data_from_a_streamed_response(blank):
         SSE_BODY,
     )
     assert events == [
-        {"event": "delta", "data": {"text": "안녕 🙂"}},
-        {"event": "message", "data": "first line\nsecond line"},
-        {"event": "done", "data": {}},
+        {"event": "delta", "data": {"text": "안녕 🙂"}, "id": "7"},
+        {"event": "message", "data": "first line\nsecond line", "id": "7"},
+        {"event": "done", "data": {}, "id": "8"},
     ]
 
 
@@ -220,4 +223,66 @@ def test_a_last_record_without_its_blank_line_is_dropped_at_end_of_stream(blank,
         }""",
         f'event: delta\ndata: {{"text": "kept"}}\n\nevent: done\ndata: {{}}{ending}',
     )
-    assert events == [{"event": "delta", "data": {"text": "kept"}}]
+    assert events == [{"event": "delta", "data": {"text": "kept"}, "id": ""}]
+
+
+def record(n: int, event: str, data: str) -> str:
+    return f"id: {n}\r\nevent: {event}\r\ndata: {data}\r\n\r\n"
+
+
+def test_follow_turn_resumes_after_a_broken_stream_from_the_last_id_it_saw(blank):
+    # The first stream breaks after event 3; the reopened one must be asked for what follows 3, and
+    # what it sends is read once. A new turn's `start` numbers from 1 again.
+    first = record(1, "start", "{}") + record(2, "delta", '{"text":"a"}') + record(3, "delta", '{"text":"b"}')
+    rest = record(4, "delta", '{"text":"c"}') + record(5, "done", '{"status":"complete"}')
+    got = blank.evaluate(
+        """async ([first, rest]) => {
+          const { followTurn } = await import('/static/sse.js');
+          const bytes = new TextEncoder().encode(first);
+          // The bytes arrive, then the connection breaks on the next read.
+          let reads = 0;
+          const broken = new Response(new ReadableStream({
+            pull(c) {
+              if (reads++ === 0) c.enqueue(bytes);
+              else c.error(new TypeError('network error'));
+            },
+          }));
+          const asked = [];
+          const reopen = async (after) => {
+            asked.push(after);
+            return new Response(rest);
+          };
+          const events = [];
+          for await (const ev of followTurn(broken, reopen, { pauseMs: 1 })) events.push([ev.id, ev.event, ev.data.text ?? null]);
+          return { asked, events };
+        }""",
+        [first, rest],
+    )
+    assert got["asked"] == [3]
+    assert got["events"] == [["1", "start", None], ["2", "delta", "a"], ["3", "delta", "b"], ["4", "delta", "c"],
+                             ["5", "done", None]]
+
+
+def test_follow_turn_ends_without_done_when_nothing_runs_and_gives_up_after_its_attempts(blank):
+    got = blank.evaluate(
+        """async (first) => {
+          const { followTurn } = await import('/static/sse.js');
+          const read = async (response, reopen) => {
+            const events = [];
+            try {
+              for await (const ev of followTurn(response, reopen, { pauseMs: 1, attempts: 3 })) events.push(ev.event);
+            } catch (err) {
+              return { events, error: err.message };
+            }
+            return { events, error: null };
+          };
+          const ended = await read(new Response(first), async () => null);
+          let calls = 0;
+          const failing = await read(new Response(first), async () => { calls += 1; throw new TypeError('offline'); });
+          return { ended, failing, calls };
+        }""",
+        record(1, "start", "{}") + record(2, "delta", '{"text":"a"}'),
+    )
+    assert got["ended"] == {"events": ["start", "delta"], "error": None}
+    assert got["failing"] == {"events": ["start", "delta"], "error": "offline"}
+    assert got["calls"] == 3

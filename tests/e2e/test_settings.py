@@ -124,6 +124,38 @@ def test_the_lineup_takes_a_custom_model_and_lets_it_go(page, server):
     assert "acme/custom-model-1" not in ids
 
 
+def test_ask_before_keeping_facts_is_the_conversations_approve_facts(page, server):
+    conv_id = conversation_id(page)
+    assert server.conversation(conv_id)["settings"]["approve_facts"] is False
+    dialog = open_settings(page)
+    box = dialog.get_by_label("Ask before keeping facts")
+    expect(box).not_to_be_checked()
+    box.check()
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog.locator("#settings-status")).to_have_text("Saved this conversation's settings.")
+    assert server.conversation(conv_id)["settings"]["approve_facts"] is True
+
+    page.reload()
+    dialog = open_settings(page)
+    expect(dialog.get_by_label("Ask before keeping facts")).to_be_checked()
+    dialog.get_by_label("Ask before keeping facts").uncheck()
+    dialog.get_by_role("button", name="Save").click()
+    expect(dialog.locator("#settings-status")).to_have_text("Saved this conversation's settings.")
+    assert server.conversation(conv_id)["settings"]["approve_facts"] is False
+
+
+def test_a_model_added_with_a_tool_runtime_keeps_it(page, server):
+    dialog = open_settings(page)
+    dialog.get_by_label("Gateway model id").fill("acme/local-tools-1")
+    dialog.get_by_label("Tool runtime").select_option("local")
+    dialog.get_by_role("button", name="Add model").click()
+    expect(dialog.locator("#models-status")).to_have_text("Added acme/local-tools-1.")
+    entry = next(m for tier in server.models()["tiers"] for m in tier["models"] if m["id"] == "acme/local-tools-1")
+    assert entry["tool_runtime"] == "local"
+    dialog.get_by_role("button", name="Remove acme/local-tools-1").click()
+    expect(dialog.locator("#models-status")).to_have_text("Removed acme/local-tools-1.")
+
+
 def test_info_markers_peek_on_hover_and_pin_on_click(page):
     dialog = open_settings(page)
     marker = dialog.locator(".field", has=page.get_by_label("System prompt")).get_by_role(
