@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 
 from config import ROOT
-from storage import LOCAL_OWNER, atomic_write
+from storage import LOCAL_OWNER, atomic_write, read_small_file
 
 log = logging.getLogger("chat.presets")
 
@@ -102,7 +102,7 @@ class Presets:
         out = []
         for path in sorted(self.builtin_dir.glob("*.txt")):
             extra = sidecar.get(path.stem, {})
-            out.append(Preset(path.stem, path.read_text(encoding="utf-8").strip(),
+            out.append(Preset(path.stem, read_small_file(path).decode("utf-8").strip(),
                               self._known(extra.get("tools", [])), extra.get("model") or None, True))
         return out
 
@@ -190,7 +190,7 @@ class Presets:
 
     def _read_custom(self) -> list[dict]:
         try:
-            data = orjson.loads(self.path.read_bytes())
+            data = orjson.loads(read_small_file(self.path))
         except FileNotFoundError:
             return []
         except (OSError, orjson.JSONDecodeError) as exc:
@@ -219,7 +219,7 @@ def _stored(preset: Preset) -> dict:
 
 def _read_sidecar(path: Path) -> dict[str, dict]:
     try:
-        data = orjson.loads(path.read_bytes())
+        data = orjson.loads(read_small_file(path))
     except FileNotFoundError:
         return {}
     return {k: v for k, v in data.items() if not k.startswith("_") and isinstance(v, dict)}

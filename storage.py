@@ -134,6 +134,26 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
         os.close(dir_fd)
 
 
+_SMALL_FILES: dict[Path, tuple[tuple[int, int, int], bytes]] = {}
+
+
+def read_small_file(path: Path) -> bytes:
+    """A small settings file's bytes (models, presets), read again only once it changed on disk.
+
+    Every turn consults them, so this saves a turn the reads, not the freshness: a changed size or
+    modification time is seen at once. FileNotFoundError and OSError come through as from read_bytes.
+    """
+    stat = path.stat()
+    # The inode too: atomic_write replaces a file by renaming a new one over it, even within one mtime tick.
+    stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    known = _SMALL_FILES.get(path)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    data = path.read_bytes()
+    _SMALL_FILES[path] = (stamp, data)
+    return data
+
+
 def empty_totals() -> dict:
     return {
         "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "searches": 0, "fetches": 0,
@@ -652,7 +672,7 @@ class FileStore:
 
     async def read_custom_models(self) -> list[dict]:
         try:
-            data = orjson.loads(self.models_path.read_bytes())
+            data = orjson.loads(read_small_file(self.models_path))
         except FileNotFoundError:
             return []
         except (OSError, orjson.JSONDecodeError) as exc:
