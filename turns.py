@@ -446,14 +446,15 @@ class Turns:
             healed = False
             while True:
                 conv = await turn.store.get(turn.conv_id)
+                files = self._attachment_listing(turn, conv)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
                                               tool_instructions=web_tools.instructions(conv["settings"], self.settings),
-                                              attachments=self._attachment_listing(turn, conv))
+                                              attachments=files)
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
                     turn.requested = True
-                    async with contextlib.aclosing(self._transport(turn, conv, prompt)) as events:
+                    async with contextlib.aclosing(self._transport(turn, conv, prompt, bool(files))) as events:
                         async for event in events:
                             if turn.opening is not None:
                                 await self._opened(turn)
@@ -557,7 +558,7 @@ class Turns:
         with self._attachment_scope(turn, conv) as scope:
             return attachment_listing(scope)
 
-    async def _selection(self, turn: Turn, conv: dict) -> tools.Selection:
+    async def _selection(self, turn: Turn, conv: dict, has_files: bool) -> tools.Selection:
         """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
         runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
         web = web_tools.enabled(conv["settings"], self.settings)
@@ -570,16 +571,17 @@ class Turns:
         selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,
                                        chosen=conv["settings"].get("tools"), runtime=runtime,
                                        web_search="web_search" in web, web_fetch="web_fetch" in web)
-        if not self._attachment_listing(turn, conv):
+        if not has_files:
             # No files to search: the attachment tools would only be noise for the model to pick from.
             selection = tools.Selection(tuple(n for n in selection.local if n not in ATTACHMENT_TOOLS),
                                         selection.gateway)
         return selection
 
-    async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt) -> AsyncIterator[Event]:
+    async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
+                         has_files: bool) -> AsyncIterator[Event]:
         """Turns with our own tools run the tool loop; with only the gateway's web tools they go to
         /v1/messages, the only endpoint that shows the searches; the rest are plain chat turns."""
-        selection = await self._selection(turn, conv)
+        selection = await self._selection(turn, conv, has_files)
         if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
             prompt = self._without_web_sentence(conv, prompt)
         if selection.local:
