@@ -58,6 +58,8 @@ const state = {
   countdown: null,
   // Conversations left empty by a first message that failed: "+ New" may take them again.
   reusable: new Set(),
+  // The conversation whose Delete is armed: the list re-renders while it waits for the second click.
+  armedDelete: null,
 };
 
 const settings = new SettingsPanel({
@@ -261,7 +263,12 @@ function renderPicker() {
 }
 
 function renderList() {
+  // Replacing the items blurs an armed Delete; the new button stays armed and takes the focus back.
+  const armed = state.armedDelete;
   el.list.replaceChildren(...state.conversations.map(renderListItem));
+  const again = armed && el.list.querySelector(`li[data-id="${CSS.escape(armed)}"] .conv-delete`);
+  state.armedDelete = again ? armed : null;
+  again?.focus();
   $("show-archived").hidden = !state.organizes && !state.archivedView;
   $("list-head").hidden = !state.archivedView;
   if (state.archivedView && !state.conversations.length) {
@@ -304,6 +311,7 @@ function renderListItem(c) {
   const del = button("🗑", { className: "icon small conv-delete", label: `Delete “${title}”` });
   del.addEventListener("click", () => confirmDelete(del, c));
   del.addEventListener("blur", () => disarmDelete(del));
+  if (state.armedDelete === c.id) armDelete(del);
   li.append(open);
   // Pin and archive only where the server keeps them (its entries carry the fields).
   if ("pinned" in c) {
@@ -363,15 +371,23 @@ function startRename(li, c) {
 // Deleting asks once, in place: the first click arms the button, the second deletes.
 function confirmDelete(button, c) {
   if (button.dataset.armed !== "true") {
-    button.dataset.armed = "true";
-    button.textContent = "Delete?";
-    button.classList.add("danger");
+    armDelete(button);
+    state.armedDelete = c.id;
+    button.focus();
     return;
   }
+  state.armedDelete = null;
   deleteConversation(c.id).catch(showError);
 }
 
+function armDelete(button) {
+  button.dataset.armed = "true";
+  button.textContent = "Delete?";
+  button.classList.add("danger");
+}
+
 function disarmDelete(button) {
+  state.armedDelete = null;
   button.dataset.armed = "false";
   button.textContent = "🗑";
   button.classList.remove("danger");

@@ -334,6 +334,30 @@ def test_sidebar_lists_newest_first_and_opens_renames_and_deletes(page, server, 
     assert server.conversation(second)["title"] == "Beta question"
 
 
+def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, sim):
+    sim.enqueue(Script([steps.Text("Kept.")]))
+    send(page, "Keep me for a moment")
+    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    conv_id = conversation_id(page)
+    item = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+    delete = item.get_by_role("button", name=re.compile("^Delete"))
+    delete.click()
+    expect(delete).to_have_text("Delete?")
+
+    # A model change re-reads the list without moving the focus, as a running turn elsewhere does.
+    picker = page.get_by_test_id("model-picker")
+    values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
+    other = next(v for v in values if v != picker.input_value())
+    label = picker.locator(f"option[value='{other}']").inner_text()
+    picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }", other)
+    expect(item.locator(".conv-meta")).to_contain_text(label)
+
+    expect(delete).to_have_text("Delete?")
+    delete.click()
+    expect(item).to_have_count(0)
+    assert server.api("GET", f"/api/conversations/{conv_id}").status_code == 404
+
+
 def test_no_demo_banner_when_a_gateway_is_configured(page):
     expect(page.locator("#demo-banner")).to_be_hidden()
 
