@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from storage import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, n
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, os, sys
     sys.path.insert(0, sys.argv[2])
     import storage
     from storage import FileStore
@@ -32,16 +33,18 @@ WRITER = textwrap.dedent("""
         if len(sys.argv) > 5:  # seal every few messages, so kills land mid-seal too
             storage.SEGMENT_MESSAGES = int(sys.argv[5])
             storage.SEAL_AFTER = 2 * storage.SEGMENT_MESSAGES
+        durable = os.environ.get("CHECKPOINTS") != "1"
         while True:
             await store.update(conv_id, lambda c: c["messages"].append(
-                {"id": str(len(c["messages"])), "role": "user", "content": padding}))
+                {"id": str(len(c["messages"])), "role": "user", "content": padding}), durable=durable)
             print(len((await store.get(conv_id))["messages"]), flush=True)
 
     asyncio.run(main())
 """)
 
 
-async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["saves", "checkpoints"])
+async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path, checkpoints):
     files = FileStore(tmp_path)
     store = files.for_owner(LOCAL_OWNER)
     conv_id = new_id()
@@ -50,7 +53,8 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
     committed = 0
     for round_ in range(8):
         writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(ROOT), conv_id, "20000"],
-                                  stdout=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "CHECKPOINTS": "1" if checkpoints else "0"})
         # Read a few acknowledged writes, then kill at an arbitrary point of the next one.
         for _ in range(3 + round_):
             committed = max(committed, int(writer.stdout.readline()))
@@ -61,6 +65,7 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path):
         data = json.loads(path.read_text())  # must parse: old or new version, never a mix
         assert len(data["messages"]) >= committed
     assert not [p for p in files.conversations_dir.iterdir() if p.suffix == ".json" and p != path]
+    assert await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv_id)
 
 
 async def test_a_process_killed_while_sealing_never_loses_or_shortens_a_conversation(tmp_path):
@@ -355,3 +360,58 @@ async def test_a_checkpoint_write_skips_fsync_and_every_other_write_keeps_it(tmp
     await store.update(conv["id"], lambda c: c.update(title="saved"))
     assert len(synced) == 2  # the file and its directory
     assert (await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv["id"]))["title"] == "saved"
+
+
+async def test_checkpoints_of_many_conversations_are_written_by_one_thread_and_land_whole(tmp_path):
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    convs = [await store.create({"id": new_id(), "model": "m", "settings": {}}) for _ in range(30)]
+    writers = set()
+    files.before_write = lambda path, data: writers.add(threading.current_thread().name)
+
+    await asyncio.gather(*(store.update(c["id"], lambda c, n=n: c.update(title=f"checkpoint {n}"), durable=False)
+                           for n, c in enumerate(convs)))
+
+    assert writers == {"checkpoint-writer"}
+    fresh = FileStore(tmp_path).for_owner(LOCAL_OWNER)
+    assert [(await fresh.get(c["id"]))["title"] for c in convs] == [f"checkpoint {n}" for n in range(30)]
+    assert not [p for p in files.conversations_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+async def test_a_save_right_behind_a_slow_checkpoint_lands_after_it(tmp_path):
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_checkpoint(path, data):
+        if b"checkpoint" in data:
+            loop.call_soon_threadsafe(started.set)
+            time.sleep(0.2)
+
+    files.before_write = slow_checkpoint
+    _, checkpoint = await store.update_soon(conv["id"], lambda c: c.update(title="checkpoint"), durable=False)
+    await asyncio.wait_for(started.wait(), 10)
+    await store.update(conv["id"], lambda c: c.update(title="saved"))
+
+    assert checkpoint.done()
+    assert on_disk(files, conv["id"])["title"] == "saved"
+
+
+async def test_a_failed_checkpoint_is_forgotten_and_the_file_read_again(tmp_path):
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    files.before_write = disk_full
+    with pytest.raises(OSError):
+        await store.update(conv["id"], lambda c: c.update(title="never stored"), durable=False)
+
+    files.before_write = None
+    assert (await store.get(conv["id"]))["title"] == "New conversation"
+    await store.update(conv["id"], lambda c: c.update(title="stored"), durable=False)
+    assert on_disk(files, conv["id"])["title"] == "stored"
