@@ -191,7 +191,8 @@ async def test_a_write_left_running_still_lands_before_a_later_one(tmp_path):
     assert json.loads((files.conversations_dir / f"{conv['id']}.json").read_text())["title"] == "second"
 
 
-async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path):
+@pytest.mark.parametrize("durable", [True, False], ids=["save", "checkpoint"])
+async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path, durable):
     files = FileStore(tmp_path)
     store = files.for_owner(LOCAL_OWNER)
     conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
@@ -201,9 +202,12 @@ async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path):
 
     files.before_write = disk_full
     with pytest.raises(OSError):
-        await store.update(conv["id"], lambda c: c.update(title="never stored"))
+        await store.update(conv["id"], lambda c: c.update(title="never stored"), durable=durable)
 
     assert (await store.get(conv["id"]))["title"] == "New conversation"
+    files.before_write = None
+    await store.update(conv["id"], lambda c: c.update(title="stored"), durable=durable)
+    assert json.loads((files.conversations_dir / f"{conv['id']}.json").read_text())["title"] == "stored"
 
 
 def message(n: int) -> dict:
@@ -398,20 +402,3 @@ async def test_a_save_right_behind_a_slow_checkpoint_lands_after_it(tmp_path):
     assert checkpoint.done()
     assert on_disk(files, conv["id"])["title"] == "saved"
 
-
-async def test_a_failed_checkpoint_is_forgotten_and_the_file_read_again(tmp_path):
-    files = FileStore(tmp_path)
-    store = files.for_owner(LOCAL_OWNER)
-    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
-
-    def disk_full(path, data):
-        raise OSError(28, "No space left on device")
-
-    files.before_write = disk_full
-    with pytest.raises(OSError):
-        await store.update(conv["id"], lambda c: c.update(title="never stored"), durable=False)
-
-    files.before_write = None
-    assert (await store.get(conv["id"]))["title"] == "New conversation"
-    await store.update(conv["id"], lambda c: c.update(title="stored"), durable=False)
-    assert on_disk(files, conv["id"])["title"] == "stored"
