@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Literal
@@ -34,9 +32,6 @@ from upstream import messages as web
 from upstream.client import Gateway
 
 Wire = Literal["chat", "messages"]
-# time.monotonic() when each round's last result was ready (the newest few hundred): the bench
-# compares it with the simulator's arrival time of the request that carried those results.
-RESULTS_READY: deque[float] = deque(maxlen=500)
 
 
 def rounds_warning(limit: int) -> TurnWarning:
@@ -98,7 +93,6 @@ class ToolLoop:
             async for result in self._run_calls(requested.calls):
                 results[result.call_id] = result
                 yield ToolStep(result.event(), result.citations)
-            RESULTS_READY.append(time.monotonic())
             ordered = [results[call.id] for call in requested.calls]
             yield ToolRound(self._round(text, requested.calls, ordered))
             extra += self._wire_round(text, requested, ordered)
