@@ -348,11 +348,15 @@ class RedisStore:
             found = await self._load(keys=[*self._conv_keys(conv_id), index],
                                      args=[cached.version if cached else "", owner, conv_id])
         if not found:
-            self._cache.pop(conv_id, None)
+            # Gone, or another owner's: only a miss that could have read it says the copy is stale.
+            entry = self._cache.get(conv_id)
+            if entry is not None and owner in ("", entry.conv.get("owner")):
+                del self._cache[conv_id]
             raise NotFound(conv_id)
         if len(found) == 1 and cached is not None:
-            self._cache.move_to_end(conv_id)
-            return cached
+            # Unchanged in Redis. While it answered, another request may have dropped the copy or
+            # put a newer one in its place: keep whichever memory holds now.
+            return self._remember(conv_id, self._cache.get(conv_id) or cached)
         version, head, lists, *items = found
         conv, lists = orjson.loads(head), orjson.loads(lists)
         stored: dict[str, _Stored | None] = dict.fromkeys(LISTS)

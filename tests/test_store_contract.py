@@ -126,6 +126,20 @@ async def test_another_owners_id_is_not_found_everywhere(store):
     assert not await alice.turn_locked(conv["id"])
 
 
+async def test_another_owners_lookups_never_disturb_the_owners_reads(store):
+    alice, bob = store.for_owner("alice"), store.for_owner("bob")
+    conv = await alice.create(conversation(title="Alice's"))
+    await alice.get(conv["id"])
+
+    async def bob_tries() -> None:
+        with pytest.raises(NotFound):
+            await bob.get(conv["id"])
+
+    # Interleaved, as a request of Bob's lands while one of Alice's waits for the store's answer.
+    reads = await asyncio.gather(*(call for _ in range(30) for call in (alice.get(conv["id"]), bob_tries())))
+    assert [r["title"] for r in reads if r is not None] == ["Alice's"] * 30
+
+
 async def test_list_is_the_owners_own_with_update_times(store):
     alice, bob = store.for_owner("alice"), store.for_owner("bob")
     a1 = await alice.create(conversation(title="a1"))
