@@ -1,9 +1,11 @@
 """Routes for search, export and import: `GET /api/search`, `GET /api/conversations/{id}/export`,
 `POST /api/import`.
 
-The search index is opened at start-up (`open_index`) and brought in line with the store in the
-background, so a server that ran without it, or crashed before its last index write, still finds
-everything; from then on `IndexFollower` keeps it in step with every change the store makes.
+With the file store, the search index is opened at start-up (`open_index`) and brought in line
+with the store in the background, so a server that ran without it, or crashed before its last
+index write, still finds everything; from then on `IndexFollower` keeps it in step with every
+change the store makes. Redis tells a process nothing of the changes other processes make, so
+there each search first brings the person's part of the index in line (`SyncedSearch`).
 Conversations are read and made through the owner-scoped store, like every other route.
 """
 
@@ -11,26 +13,72 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Annotated, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 import exchange
-from deps import OwnerDep, OwnerStoreDep, StateDep
+from deps import OwnerStoreDep, StateDep
 from search_index import IndexFollower, SearchIndex
-from storage import FileStore, new_id, now_iso
+from storage import FileStore, NotFound, OwnerStore, new_id, now_iso
 
 log = logging.getLogger("chat.exchange")
 
 INDEX_FILE = "search.sqlite3"
+SYNCED_INDEX_FILE = "search-redis.sqlite3"  # never the file store's: switching STORE starts afresh
 
 router = APIRouter()
 
 
-async def open_index(files: FileStore) -> tuple[SearchIndex, asyncio.Task]:
-    """The index beside the store's files, and the task bringing it in line with them (at start-up)."""
+class FollowedSearch:
+    """Search over the file store, whose every change the index is told of as it is made."""
+
+    def __init__(self, index: SearchIndex, ready: asyncio.Task) -> None:
+        self.index, self.ready = index, ready
+
+    async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
+        await asyncio.shield(self.ready)  # the start-up catch-up
+        return await self.index.search(store.owner, q, limit)
+
+    async def close(self) -> None:
+        self.ready.cancel()
+        await self.index.close()
+
+
+class SyncedSearch:
+    """Search over a store that other processes write too (Redis): each search first re-indexes the
+    person's conversations whose `updated_at` is not the one the index holds, and forgets the gone.
+
+    Listing is one round trip and an unchanged conversation costs nothing more, so a search sees
+    every change made on any server without a feed of changes to follow.
+    """
+
+    def __init__(self, index: SearchIndex) -> None:
+        self.index = index
+
+    async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
+        listed = {c["id"]: c["updated_at"] for c in await store.list()}
+        known = await self.index.stamps(store.owner)
+        for conv_id in known.keys() - listed.keys():
+            self.index.remove_conversation(store.owner, conv_id)
+        for conv_id, updated_at in listed.items():
+            if known.get(conv_id) == updated_at:
+                continue
+            try:
+                self.index.index_conversation(store.owner, await store.get(conv_id))
+            except NotFound:
+                continue  # deleted since the listing
+        return await self.index.search(store.owner, q, limit)
+
+    async def close(self) -> None:
+        await self.index.close()
+
+
+async def open_index(files: FileStore) -> FollowedSearch:
+    """The index beside the store's files, bringing itself in line with them in the background."""
     index = SearchIndex(files.root / INDEX_FILE)
     await index.open()
     follower = IndexFollower(index)
@@ -43,26 +91,30 @@ async def open_index(files: FileStore) -> tuple[SearchIndex, asyncio.Task]:
         follower.seen_all(convs)
         return index
 
-    return index, asyncio.create_task(catch_up())
+    return FollowedSearch(index, asyncio.create_task(catch_up()))
 
 
-async def get_search_index(request: Request) -> SearchIndex:
-    """The app's index, once it has caught up with the store."""
-    ready = getattr(request.app.state, "search_ready", None)
-    if ready is None:
-        raise HTTPException(501, "search is not available with STORE=redis yet (it indexes the file store)")
-    return await asyncio.shield(ready)
+async def open_synced_index(data_dir: Path) -> SyncedSearch:
+    """The index in DATA_DIR, brought in line with the store by each search (servers sharing
+    DATA_DIR share the file; SQLite takes their writes one at a time)."""
+    index = SearchIndex(data_dir / SYNCED_INDEX_FILE)
+    await index.open()
+    return SyncedSearch(index)
 
 
-IndexDep = Annotated[SearchIndex, Depends(get_search_index)]
+def get_search(request: Request) -> FollowedSearch | SyncedSearch:
+    return request.app.state.search
+
+
+SearchDep = Annotated[FollowedSearch | SyncedSearch, Depends(get_search)]
 
 
 @router.get("/api/search")
-async def search(index: IndexDep, owner: OwnerDep,
+async def search(searcher: SearchDep, store: OwnerStoreDep,
                  q: Annotated[str, Query(min_length=1, max_length=200)],
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> list[dict]:
     """The owner's best matches; each `snippet` is HTML whose only markup is <mark>."""
-    return await index.search(owner, q, limit)
+    return await searcher.search(store, q, limit)
 
 
 @router.get("/api/conversations/{conv_id}/export")

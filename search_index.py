@@ -358,6 +358,18 @@ class SearchIndex:
             for conv_id, message_id, text, title, updated_at in conn.execute(sql, params)
         ]
 
+    async def stamps(self, owner: str) -> dict[str, str]:
+        """The `updated_at` the index holds for each of the owner's conversations (after queued writes)."""
+        if self._last_write is not None and not self._last_write.done():
+            await asyncio.wait([self._last_write])
+
+        def read() -> dict[str, str]:
+            conn = self._reading()
+            if not _has_tables(conn):
+                return {}
+            return dict(conn.execute("SELECT conv_id, updated_at FROM convs WHERE owner = ?", (owner,)))
+        return await asyncio.get_running_loop().run_in_executor(self._readers, read)
+
     async def is_built(self) -> bool:
         """Whether a build has finished in this file (a fresh or interrupted one needs `rebuild`)."""
         def built() -> bool:

@@ -69,13 +69,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store = make_store(active)
         expiry = None
         if isinstance(store, FileStore):
-            app.state.search_index, app.state.search_ready = await exchange_routes.open_index(store)
+            app.state.search = await exchange_routes.open_index(store)
             if active.conversation_ttl_days:
                 app.state.expiry_pass = asyncio.get_running_loop().create_future()
                 expiry = asyncio.create_task(expire_untouched(store, active.conversation_ttl_days,
                                                               app.state.expiry_pass))
         else:
             await store.ping()  # Redis expires conversations itself (a TTL on their keys)
+            app.state.search = await exchange_routes.open_synced_index(active.data_dir)
         attachments = Attachments(active.data_dir / "attachments",
                                   Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages))
         attachments.sweep()
@@ -109,9 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     expiry.cancel()
                 await store.flush()
                 attachments.close()
-                if (index := getattr(app.state, "search_index", None)) is not None:
-                    app.state.search_ready.cancel()
-                    await index.close()
+                await app.state.search.close()
                 if not isinstance(store, FileStore):
                     await store.close()
                 if demo is not None:

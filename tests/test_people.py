@@ -1,9 +1,11 @@
 """Two people on one server: another person's ids answer exactly like unknown ids on every route,
-running turns and memory stay apart, and personal data is masked before it is stored or sent."""
+running turns and memory stay apart, and personal data is masked before it is stored or sent.
+Every test runs on the file store and on Redis (a real redis-server)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 
@@ -11,6 +13,7 @@ import pytest
 
 from auth import UserFile
 from config import Settings
+from redis_support import redis_server  # noqa: F401  (the fixture)
 from simulator import Script, Usage, steps
 from support import names, parse_sse
 from test_auth import A_PASSWORD, B_PASSWORD, FAST, Server, log_in
@@ -18,10 +21,18 @@ from test_auth import A_PASSWORD, B_PASSWORD, FAST, Server, log_in
 UNKNOWN = "NoSuchConversation123"
 
 
-@pytest.fixture
-async def server(tmp_path, sim):
+_databases = itertools.count(1)
+
+
+@pytest.fixture(params=["files", "redis"])
+async def server(request, tmp_path, sim):
+    store = {}
+    if request.param == "redis":
+        # A database of its own per test (16 in all; this module has fewer tests).
+        store = {"store": "redis",
+                 "redis_url": f"{request.getfixturevalue('redis_server').url}/{next(_databases) % 16}"}
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
-                        upstream_timeout=5, auth="password", keep_recent_messages=2)
+                        upstream_timeout=5, auth="password", keep_recent_messages=2, **store)
     users = UserFile(settings.data_dir)
     users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
     users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
@@ -52,7 +63,7 @@ async def send(client, conv_id: str, content: str) -> list[tuple[str, dict]]:
 def owned_files(data_dir) -> dict[str, bytes]:
     """Everything the store keeps for people (sessions and the search cache change on every request)."""
     return {str(p.relative_to(data_dir)): p.read_bytes() for p in sorted(data_dir.rglob("*"))
-            if p.is_file() and p.name not in ("sessions.json",) and "search.sqlite3" not in p.name}
+            if p.is_file() and p.name not in ("sessions.json",) and not p.name.startswith("search")}
 
 
 def requests_naming(app, conv_id: str, attachment_id: str, message_id: str) -> list[tuple[str, str, dict]]:
@@ -86,6 +97,7 @@ async def test_another_persons_ids_answer_exactly_like_unknown_ids_on_every_rout
     assert upload.status_code == 201
     attachment_id = upload.json()["id"]
     before = owned_files(server.settings.data_dir)
+    stored_before = (await alice.get(f"/api/conversations/{conv['id']}")).json()  # on Redis it is not a file
     requests_before = len(sim.requests)
 
     checked = requests_naming(server.app, conv["id"], attachment_id, message_id)
@@ -103,6 +115,7 @@ async def test_another_persons_ids_answer_exactly_like_unknown_ids_on_every_rout
     assert (await bob.get("/api/search", params={"q": "secret"})).json() == []
     after = {k: v for k, v in owned_files(server.settings.data_dir).items() if own["id"] not in k}
     assert after == before, "Alice's data changed"
+    assert (await alice.get(f"/api/conversations/{conv['id']}")).json() == stored_before
     assert len(sim.requests) == requests_before, "Bob's requests reached the gateway"
 
 

@@ -56,8 +56,32 @@ def test_a_conversation_made_on_one_server_is_listed_read_and_continued_on_the_o
                                        json={"content": "hello B"}, timeout=10).text
     stored = httpx.get(f"{a.base_url}/api/conversations/{conv['id']}").json()
     assert [m["content"] for m in stored["messages"]] == ["hello A", "Made on A.", "hello B", "Continued on B."]
-    search = httpx.get(f"{a.base_url}/api/search", params={"q": "hello"})
-    assert search.status_code == 501 and "STORE=redis" in search.json()["detail"]
+
+
+def test_each_server_finds_what_the_other_wrote_and_forgets_what_it_deleted(pair, sim):
+    a, b = pair
+    sim.enqueue(Script(steps=[steps.Text("Aubergine is 가지 in Korean.")]),
+                Script(steps=[steps.Text("Cucumber is 오이.")]))
+    kept = httpx.post(f"{a.base_url}/api/conversations", json={}).json()
+    gone = httpx.post(f"{a.base_url}/api/conversations", json={}).json()
+    for conv, question in ((kept, "what is aubergine"), (gone, "what is cucumber")):
+        assert "event: done" in httpx.post(f"{b.base_url}/api/conversations/{conv['id']}/messages",
+                                           json={"content": question}, timeout=10).text
+
+    def found(server, q: str) -> set[str]:
+        """The conversations of the hits (a question and its answer may both match)."""
+        answer = httpx.get(f"{server.base_url}/api/search", params={"q": q})
+        assert answer.status_code == 200, answer.text
+        return {hit["conversation_id"] for hit in answer.json()}
+
+    assert found(a, "가지") == {kept["id"]}
+    assert found(a, "cucumber") == {gone["id"]}
+    httpx.patch(f"{b.base_url}/api/conversations/{kept['id']}", json={"title": "Vegetables 채소"})
+    assert httpx.delete(f"{b.base_url}/api/conversations/{gone['id']}").status_code == 204
+
+    assert found(a, "채소") == {kept["id"]}
+    assert found(a, "cucumber") == set()
+    assert found(b, "aubergine") == {kept["id"]}
 
 
 def test_a_turn_running_on_one_server_is_409_on_the_other(pair, sim):
