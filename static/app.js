@@ -60,6 +60,8 @@ const state = {
   reusable: new Set(),
   // The conversation whose Delete is armed: the list re-renders while it waits for the second click.
   armedDelete: null,
+  // While a title is being typed in the list, the list is not drawn again (that would drop the field).
+  renaming: null,
 };
 
 const settings = new SettingsPanel({
@@ -263,6 +265,7 @@ function renderPicker() {
 }
 
 function renderList() {
+  if (state.renaming) return; // the rename's end reads the list again
   // Replacing the items blurs an armed Delete; the new button stays armed and takes the focus back.
   const armed = state.armedDelete;
   el.list.replaceChildren(...state.conversations.map(renderListItem));
@@ -337,9 +340,11 @@ function startRename(li, c) {
   input.value = c.title || "";
   input.setAttribute("aria-label", "Conversation title");
   let done = false;
+  state.renaming = c.id;
   const finish = async (save) => {
     if (done) return;
     done = true;
+    state.renaming = null;
     const title = input.value.trim();
     if (save && title && title !== c.title) {
       try {

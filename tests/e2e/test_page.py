@@ -358,6 +358,33 @@ def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, s
     assert server.api("GET", f"/api/conversations/{conv_id}").status_code == 404
 
 
+def test_a_title_being_typed_survives_the_list_being_read_again(page, server, sim):
+    sim.enqueue(Script([steps.Text("Named soon.")]))
+    send(page, "Name me")
+    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    conv_id = conversation_id(page)
+    item = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+    item.get_by_role("button", name=re.compile("^Rename")).click()
+    title = item.get_by_role("textbox", name="Conversation title")
+    title.fill("Half a")
+
+    picker = page.get_by_test_id("model-picker")
+    values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
+    other = next(v for v in values if v != picker.input_value())
+    # A model change reads the list again without moving the focus, as a title or a turn elsewhere does.
+    listed = re.compile(r"/api/conversations(\?.*)?$")
+    with page.expect_response(lambda r: r.request.method == "GET" and listed.search(r.url)):
+        picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }",
+                        other)
+
+    title.press("End")
+    title.type(" title")
+    title.press("Enter")
+    expect(item.locator(".conv-name")).to_have_text("Half a title")
+    assert server.conversation(conv_id)["title"] == "Half a title"
+    expect(item.locator(".conv-meta")).to_contain_text(picker.locator(f"option[value='{other}']").inner_text())
+
+
 def test_no_demo_banner_when_a_gateway_is_configured(page):
     expect(page.locator("#demo-banner")).to_be_hidden()
 
