@@ -50,7 +50,8 @@ def test_stop_keeps_the_partial_reply_closes_upstream_and_regenerate_answers_aga
 
     expect(reply).to_have_attribute("data-status", "interrupted")
     expect(page.get_by_test_id("send")).to_have_text("Send")
-    assert reply.locator(".bubble").evaluate("el => getComputedStyle(el).borderTopStyle") == "dashed"
+    # The page re-reads the stopped turn and draws it again: ask the reply shown now, not one just replaced.
+    expect(reply.locator(".bubble")).to_have_css("border-top-style", "dashed")
     record = sim.wait_for_disconnect(timeout=5)
     assert not record.completed
     conv_id = conversation_id(page)
