@@ -495,15 +495,34 @@ function renderTranscript() {
   const options = { reasoning: isReasoning, userExtra: (m) => files.chipsFor(m) };
   const notices = [...(state.conv?.archive || []), ...messages].filter((m) => m.role === "notice");
   const archive = renderArchive(state.conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
-  // Re-reading the conversation keeps folded history open if the person opened it.
+  // Re-reading the conversation keeps open what the person opened: folded history, a long message
+  // shown whole, a reply's trail (the re-read after a reply often lands just after such a click).
   if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
+  const opened = openedMessages();
   const live = state.turn?.convId === state.conv?.id ? state.turn.view : null;
-  const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id).map((m) => decorate(m, renderMessage(m, options)));
+  const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id)
+    .map((m) => reopen(decorate(m, renderMessage(m, options)), opened));
   el.messages.replaceChildren(...(archive ? [archive] : []), ...shown, ...(live ? [live.el] : []));
   renderGreeting();
   renderRegenerate();
   renderFailure();
   scrollToBottom(stick);
+}
+
+/** Ids of the shown messages the person opened: long ones shown whole, replies with their trail open. */
+function openedMessages() {
+  const ids = (selector) => new Set([...el.messages.querySelectorAll(selector)]
+    .map((e) => e.closest("[data-id]")?.dataset.id).filter(Boolean));
+  return { whole: ids("[data-test=show-more][aria-expanded=true]"), trails: ids("details[data-test=activity][open]") };
+}
+
+/** Open in a freshly drawn message what was open in the one it replaces. */
+function reopen(node_, opened) {
+  const id = node_.dataset.id;
+  if (opened.whole.has(id)) node_.querySelector(":scope > [data-test=show-more]")?.click();
+  const trail = node_.querySelector("details[data-test=activity]");
+  if (trail && opened.trails.has(id)) trail.open = true;
+  return node_;
 }
 
 /** Add a message's own controls: the branch switcher, and Edit on what the person typed. */
