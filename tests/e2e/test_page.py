@@ -378,8 +378,9 @@ def test_phone_width_collapses_the_sidebar_and_dark_mode_applies(browser, server
         cdp.send("DOM.enable")
         cdp.send("CSS.enable")
         root = cdp.send("DOM.getDocument")["root"]["nodeId"]
-        bubble = cdp.send("DOM.querySelector", {"nodeId": root, "selector": "[data-role=assistant] .bubble p"})
-        fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": bubble["nodeId"]})["fonts"]
+        # The page opens on the newest conversation, which may hold earlier replies: this one is the last.
+        paragraphs = cdp.send("DOM.querySelectorAll", {"nodeId": root, "selector": "[data-role=assistant] .bubble p"})
+        fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": paragraphs["nodeIds"][-1]})["fonts"]
         assert any(f["familyName"].startswith("Noto Sans CJK") for f in fonts), fonts
         screenshot(page, "phone-dark")
 
