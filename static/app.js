@@ -60,6 +60,10 @@ const state = {
   reusable: new Set(),
   // The conversation whose Delete is armed: the list re-renders while it waits for the second click.
   armedDelete: null,
+  // The title being typed in the list ({id, input}): it stays, typed text and all, when the list re-renders.
+  renaming: null,
+  // True while the list's items are being replaced: the blur that causes is not the person leaving.
+  redrawingList: false,
 };
 
 const settings = new SettingsPanel({
@@ -265,10 +269,23 @@ function renderPicker() {
 function renderList() {
   // Replacing the items blurs an armed Delete; the new button stays armed and takes the focus back.
   const armed = state.armedDelete;
-  el.list.replaceChildren(...state.conversations.map(renderListItem));
+  const typing = state.renaming?.input === document.activeElement ? state.renaming.input : null;
+  const selection = typing && [typing.selectionStart, typing.selectionEnd, typing.selectionDirection];
+  state.redrawingList = true;
+  try {
+    el.list.replaceChildren(...state.conversations.map(renderListItem));
+  } finally {
+    state.redrawingList = false;
+  }
   const again = armed && el.list.querySelector(`li[data-id="${CSS.escape(armed)}"] .conv-delete`);
   state.armedDelete = again ? armed : null;
   again?.focus();
+  // A title being typed keeps its place and caret; its conversation gone from the list, it is dropped.
+  if (state.renaming && !state.renaming.input.isConnected) state.renaming = null;
+  else if (typing) {
+    typing.focus();
+    typing.setSelectionRange(...selection);
+  }
   $("show-archived").hidden = !state.organizes && !state.archivedView;
   $("list-head").hidden = !state.archivedView;
   if (state.archivedView && !state.conversations.length) {
@@ -312,7 +329,7 @@ function renderListItem(c) {
   del.addEventListener("click", () => confirmDelete(del, c));
   del.addEventListener("blur", () => disarmDelete(del));
   if (state.armedDelete === c.id) armDelete(del);
-  li.append(open);
+  li.append(state.renaming?.id === c.id ? state.renaming.input : open);
   // Pin and archive only where the server keeps them (its entries carry the fields).
   if ("pinned" in c) {
     li.classList.toggle("pinned", !!c.pinned);
@@ -338,8 +355,9 @@ function startRename(li, c) {
   input.setAttribute("aria-label", "Conversation title");
   let done = false;
   const finish = async (save) => {
-    if (done) return;
+    if (done || state.redrawingList) return;
     done = true;
+    if (state.renaming?.input === input) state.renaming = null;
     const title = input.value.trim();
     if (save && title && title !== c.title) {
       try {
@@ -364,6 +382,7 @@ function startRename(li, c) {
   });
   input.addEventListener("blur", () => finish(true));
   li.querySelector(".conv-open").replaceWith(input);
+  state.renaming = { id: c.id, input };
   input.focus();
   input.select();
 }

@@ -359,6 +359,34 @@ def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, s
     assert server.api("GET", f"/api/conversations/{conv_id}").status_code == 404
 
 
+def test_a_title_being_typed_in_the_list_stays_when_the_list_is_read_again(page, server, sim):
+    sim.enqueue(Script([steps.Text("Noted.")]))
+    send(page, "Name me later")
+    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    conv_id = conversation_id(page)
+    item = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+    item.get_by_role("button", name=re.compile("^Rename")).click()
+    title = item.get_by_role("textbox", name="Conversation title")
+    title.fill("Half typ")
+
+    # A model change re-reads the list without moving the focus, as a title arriving does.
+    item.evaluate("li => { li.dataset.drawnBefore = 'true'; }")
+    picker = page.get_by_test_id("model-picker")
+    values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
+    other = next(v for v in values if v != picker.input_value())
+    picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }", other)
+    expect(page.locator(f"li[data-id='{conv_id}'][data-drawn-before]")).to_have_count(0)
+    expect(item).to_have_count(1)
+
+    expect(title).to_be_focused()
+    expect(title).to_have_value("Half typ")
+    assert server.conversation(conv_id)["title"] == "Name me later", "nothing was saved half typed"
+    page.keyboard.type("ed title")
+    page.keyboard.press("Enter")
+    expect(item.locator(".conv-name")).to_have_text("Half typed title")
+    assert server.conversation(conv_id)["title"] == "Half typed title"
+
+
 def test_no_demo_banner_when_a_gateway_is_configured(page):
     expect(page.locator("#demo-banner")).to_be_hidden()
 
