@@ -530,8 +530,9 @@ function renderTranscript() {
 
 /** Ids of the shown messages the person opened: long ones shown whole, replies with their trail open. */
 function openedMessages() {
-  const ids = (selector) => new Set([...el.messages.querySelectorAll(selector)]
-    .map((e) => e.closest("[data-id]")?.dataset.id).filter(Boolean));
+  // A streaming reply's trail is open because it streams, not because the person opened it.
+  const ids = (selector) => new Set([...el.messages.querySelectorAll(selector)].map((e) => e.closest("[data-id]"))
+    .filter((m) => m && m.dataset.status !== "streaming").map((m) => m.dataset.id));
   return { whole: ids("[data-test=show-more][aria-expanded=true]"), trails: ids("details[data-test=activity][open]") };
 }
 
@@ -858,14 +859,20 @@ async function settleTurn(turn, outcome, text) {
   const { view, userEl } = turn;
   const here = state.conv?.id === turn.convId;
   switch (outcome.type) {
-    case "done":
-      view.setFinal(outcome.data.status || "complete", outcome.data.usage, outcome.data.citations);
-      if (here) {
+    case "done": {
+      const finish = () => view.setFinal(outcome.data.status || "complete", outcome.data.usage, outcome.data.citations);
+      if (!here) return finish();
+      // The saved reply is drawn in place of the streamed one and only then shows as finished, so what
+      // the person clicks in a finished reply (Copy, Show more) is not drawn again a moment later.
+      try {
         await refresh();
-        const replies = state.conv?.messages.filter((m) => m.role === "assistant").length;
-        if (state.conv?.title_source === "auto" && replies === 1) awaitTitle(turn.convId);
+      } finally {
+        if (view.el.isConnected) finish();
       }
+      const replies = state.conv?.messages.filter((m) => m.role === "assistant").length;
+      if (state.conv?.title_source === "auto" && replies === 1) awaitTitle(turn.convId);
       return;
+    }
     case "ended":
       if (view.isEmpty) view.el.remove();
       else view.setFinal("interrupted");

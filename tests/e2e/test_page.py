@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 from playwright.sync_api import expect
 
@@ -70,6 +71,30 @@ def test_stop_keeps_the_partial_reply_closes_upstream_and_regenerate_answers_aga
     assert last_user_content(sim.requests[-1]) == "Tell me a long story"
     saved = server.conversation(conv_id)
     assert [(m["role"], m.get("status")) for m in saved["messages"]] == [("user", None), ("assistant", "complete")]
+
+
+def test_a_reply_shows_as_finished_only_once_it_is_drawn_for_good(page, server, sim):
+    conv_id = conversation_id(page)
+    held = []
+    # The re-read of the conversation after the reply is held, so the page is caught in between.
+    page.route(f"**/api/conversations/{conv_id}", lambda route: held.append(route))
+    sim.enqueue(Script([steps.Text("Drawn once.")]))
+    with page.expect_request(lambda r: r.method == "GET" and r.url.endswith(f"/api/conversations/{conv_id}")):
+        send(page, "Draw it once")
+    deadline = time.monotonic() + 10
+    while not held:  # the route handler runs as Playwright reads the browser's messages
+        assert time.monotonic() < deadline, "the re-read never reached the route"
+        page.evaluate("0")
+    # The streamed copy is about to be replaced by the saved one: it must not offer itself as finished.
+    expect(assistant_messages(page)).to_have_count(1)
+    expect(page.locator("[data-role=assistant][data-status=complete]")).to_have_count(0)
+
+    for route in held:
+        route.continue_()
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    expect(reply).to_contain_text("Drawn once.")
+    page.unroute(f"**/api/conversations/{conv_id}")
 
 
 def test_only_the_last_reply_offers_regenerate(page, sim):
