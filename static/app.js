@@ -60,8 +60,10 @@ const state = {
   reusable: new Set(),
   // The conversation whose Delete is armed: the list re-renders while it waits for the second click.
   armedDelete: null,
-  // While a title is being typed in the list, the list is not drawn again (that would drop the field).
+  // The title being typed in the list ({id, input}): it stays, typed text and all, when the list re-renders.
   renaming: null,
+  // True while the list's items are being replaced: the blur that causes is not the person leaving.
+  redrawingList: false,
 };
 
 const settings = new SettingsPanel({
@@ -265,13 +267,25 @@ function renderPicker() {
 }
 
 function renderList() {
-  if (state.renaming) return; // the rename's end reads the list again
   // Replacing the items blurs an armed Delete; the new button stays armed and takes the focus back.
   const armed = state.armedDelete;
-  el.list.replaceChildren(...state.conversations.map(renderListItem));
+  const typing = state.renaming?.input === document.activeElement ? state.renaming.input : null;
+  const selection = typing && [typing.selectionStart, typing.selectionEnd, typing.selectionDirection];
+  state.redrawingList = true;
+  try {
+    el.list.replaceChildren(...state.conversations.map(renderListItem));
+  } finally {
+    state.redrawingList = false;
+  }
   const again = armed && el.list.querySelector(`li[data-id="${CSS.escape(armed)}"] .conv-delete`);
   state.armedDelete = again ? armed : null;
   again?.focus();
+  // A title being typed keeps its place and caret; its conversation gone from the list, it is dropped.
+  if (state.renaming && !state.renaming.input.isConnected) state.renaming = null;
+  else if (typing) {
+    typing.focus();
+    typing.setSelectionRange(...selection);
+  }
   $("show-archived").hidden = !state.organizes && !state.archivedView;
   $("list-head").hidden = !state.archivedView;
   if (state.archivedView && !state.conversations.length) {
@@ -315,7 +329,7 @@ function renderListItem(c) {
   del.addEventListener("click", () => confirmDelete(del, c));
   del.addEventListener("blur", () => disarmDelete(del));
   if (state.armedDelete === c.id) armDelete(del);
-  li.append(open);
+  li.append(state.renaming?.id === c.id ? state.renaming.input : open);
   // Pin and archive only where the server keeps them (its entries carry the fields).
   if ("pinned" in c) {
     li.classList.toggle("pinned", !!c.pinned);
@@ -340,11 +354,10 @@ function startRename(li, c) {
   input.value = c.title || "";
   input.setAttribute("aria-label", "Conversation title");
   let done = false;
-  state.renaming = c.id;
   const finish = async (save) => {
-    if (done) return;
+    if (done || state.redrawingList) return;
     done = true;
-    state.renaming = null;
+    if (state.renaming?.input === input) state.renaming = null;
     const title = input.value.trim();
     if (save && title && title !== c.title) {
       try {
@@ -369,6 +382,7 @@ function startRename(li, c) {
   });
   input.addEventListener("blur", () => finish(true));
   li.querySelector(".conv-open").replaceWith(input);
+  state.renaming = { id: c.id, input };
   input.focus();
   input.select();
 }
@@ -500,15 +514,35 @@ function renderTranscript() {
   const options = { reasoning: isReasoning, userExtra: (m) => files.chipsFor(m) };
   const notices = [...(state.conv?.archive || []), ...messages].filter((m) => m.role === "notice");
   const archive = renderArchive(state.conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
-  // Re-reading the conversation keeps folded history open if the person opened it.
+  // Re-reading the conversation keeps open what the person opened: folded history, a long message
+  // shown whole, a reply's trail (the re-read after a reply often lands just after such a click).
   if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
+  const opened = openedMessages();
   const live = state.turn?.convId === state.conv?.id ? state.turn.view : null;
-  const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id).map((m) => decorate(m, renderMessage(m, options)));
+  const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id)
+    .map((m) => reopen(decorate(m, renderMessage(m, options)), opened));
   el.messages.replaceChildren(...(archive ? [archive] : []), ...shown, ...(live ? [live.el] : []));
   renderGreeting();
   renderRegenerate();
   renderFailure();
   scrollToBottom(stick);
+}
+
+/** Ids of the shown messages the person opened: long ones shown whole, replies with their trail open. */
+function openedMessages() {
+  // A streaming reply's trail is open because it streams, not because the person opened it.
+  const ids = (selector) => new Set([...el.messages.querySelectorAll(selector)].map((e) => e.closest("[data-id]"))
+    .filter((m) => m && m.dataset.status !== "streaming").map((m) => m.dataset.id));
+  return { whole: ids("[data-test=show-more][aria-expanded=true]"), trails: ids("details[data-test=activity][open]") };
+}
+
+/** Open in a freshly drawn message what was open in the one it replaces. */
+function reopen(node_, opened) {
+  const id = node_.dataset.id;
+  if (opened.whole.has(id)) node_.querySelector(":scope > [data-test=show-more]")?.click();
+  const trail = node_.querySelector("details[data-test=activity]");
+  if (trail && opened.trails.has(id)) trail.open = true;
+  return node_;
 }
 
 /** Add a message's own controls: the branch switcher, and Edit on what the person typed. */
@@ -825,14 +859,20 @@ async function settleTurn(turn, outcome, text) {
   const { view, userEl } = turn;
   const here = state.conv?.id === turn.convId;
   switch (outcome.type) {
-    case "done":
-      view.setFinal(outcome.data.status || "complete", outcome.data.usage, outcome.data.citations);
-      if (here) {
+    case "done": {
+      const finish = () => view.setFinal(outcome.data.status || "complete", outcome.data.usage, outcome.data.citations);
+      if (!here) return finish();
+      // The saved reply is drawn in place of the streamed one and only then shows as finished, so what
+      // the person clicks in a finished reply (Copy, Show more) is not drawn again a moment later.
+      try {
         await refresh();
-        const replies = state.conv?.messages.filter((m) => m.role === "assistant").length;
-        if (state.conv?.title_source === "auto" && replies === 1) awaitTitle(turn.convId);
+      } finally {
+        if (view.el.isConnected) finish();
       }
+      const replies = state.conv?.messages.filter((m) => m.role === "assistant").length;
+      if (state.conv?.title_source === "auto" && replies === 1) awaitTitle(turn.convId);
       return;
+    }
     case "ended":
       if (view.isEmpty) view.el.remove();
       else view.setFinal("interrupted");

@@ -362,7 +362,9 @@ async def test_the_request_goes_upstream_while_the_message_is_still_being_writte
 
     def slow_opening(path, data):
         if b"written slowly" in data and not landed:
-            time.sleep(0.3)
+            # The write is held until the request has reached the gateway (bounded: a send that waited
+            # for this write never arrives, and the write fails with TimeoutError).
+            sim.wait_for_requests(1, timeout=10)
             landed.append(time.monotonic())
 
     app.state.chat.store.before_write = slow_opening

@@ -95,6 +95,24 @@ def test_a_long_typed_message_starts_collapsed(page, sim):
     expect(bubble).to_have_text(long)
 
 
+def test_a_long_message_shown_whole_stays_whole_when_the_conversation_is_read_again(page, sim):
+    long = "\n".join(f"line {i}: " + "words " * 5 for i in range(40))
+    sim.enqueue(Script([steps.Text("Read it.")]))
+    send(page, long)
+    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    message = user_messages(page).last
+    message.get_by_role("button", name="Show more").click()
+    expect(message.get_by_role("button", name="Show less")).to_be_visible()
+
+    # "Compress now" with nothing old enough to fold re-reads the conversation and draws it again.
+    message.evaluate("el => { el.dataset.drawnBefore = 'true'; }")
+    page.get_by_role("button", name="Compress now").click()
+    expect(page.locator("[data-test=message][data-drawn-before]")).to_have_count(0)
+
+    expect(message.get_by_role("button", name="Show less")).to_be_visible()
+    expect(message.locator(".bubble")).not_to_have_class(re.compile(r"\bcollapsed\b"))
+
+
 def test_copy_reply_copies_the_markdown_source(page, server, sim):
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.base_url)
     source = "# Plan\n\n- **one**\n- `two`\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 from playwright.sync_api import expect
 
@@ -50,7 +51,8 @@ def test_stop_keeps_the_partial_reply_closes_upstream_and_regenerate_answers_aga
 
     expect(reply).to_have_attribute("data-status", "interrupted")
     expect(page.get_by_test_id("send")).to_have_text("Send")
-    assert reply.locator(".bubble").evaluate("el => getComputedStyle(el).borderTopStyle") == "dashed"
+    # The page re-reads the stopped turn and draws it again: ask the reply shown now, not one just replaced.
+    expect(reply.locator(".bubble")).to_have_css("border-top-style", "dashed")
     record = sim.wait_for_disconnect(timeout=5)
     assert not record.completed
     conv_id = conversation_id(page)
@@ -69,6 +71,30 @@ def test_stop_keeps_the_partial_reply_closes_upstream_and_regenerate_answers_aga
     assert last_user_content(sim.requests[-1]) == "Tell me a long story"
     saved = server.conversation(conv_id)
     assert [(m["role"], m.get("status")) for m in saved["messages"]] == [("user", None), ("assistant", "complete")]
+
+
+def test_a_reply_shows_as_finished_only_once_it_is_drawn_for_good(page, server, sim):
+    conv_id = conversation_id(page)
+    held = []
+    # The re-read of the conversation after the reply is held, so the page is caught in between.
+    page.route(f"**/api/conversations/{conv_id}", lambda route: held.append(route))
+    sim.enqueue(Script([steps.Text("Drawn once.")]))
+    with page.expect_request(lambda r: r.method == "GET" and r.url.endswith(f"/api/conversations/{conv_id}")):
+        send(page, "Draw it once")
+    deadline = time.monotonic() + 10
+    while not held:  # the route handler runs as Playwright reads the browser's messages
+        assert time.monotonic() < deadline, "the re-read never reached the route"
+        page.evaluate("0")
+    # The streamed copy is about to be replaced by the saved one: it must not offer itself as finished.
+    expect(assistant_messages(page)).to_have_count(1)
+    expect(page.locator("[data-role=assistant][data-status=complete]")).to_have_count(0)
+
+    for route in held:
+        route.continue_()
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    expect(reply).to_contain_text("Drawn once.")
+    page.unroute(f"**/api/conversations/{conv_id}")
 
 
 def test_only_the_last_reply_offers_regenerate(page, sim):
@@ -358,31 +384,32 @@ def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, s
     assert server.api("GET", f"/api/conversations/{conv_id}").status_code == 404
 
 
-def test_a_title_being_typed_survives_the_list_being_read_again(page, server, sim):
-    sim.enqueue(Script([steps.Text("Named soon.")]))
-    send(page, "Name me")
+def test_a_title_being_typed_in_the_list_stays_when_the_list_is_read_again(page, server, sim):
+    sim.enqueue(Script([steps.Text("Noted.")]))
+    send(page, "Name me later")
     expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
     conv_id = conversation_id(page)
     item = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
     item.get_by_role("button", name=re.compile("^Rename")).click()
     title = item.get_by_role("textbox", name="Conversation title")
-    title.fill("Half a")
+    title.fill("Half typ")
 
+    # A model change re-reads the list without moving the focus, as a title arriving does.
+    item.evaluate("li => { li.dataset.drawnBefore = 'true'; }")
     picker = page.get_by_test_id("model-picker")
     values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
     other = next(v for v in values if v != picker.input_value())
-    # A model change reads the list again without moving the focus, as a title or a turn elsewhere does.
-    listed = re.compile(r"/api/conversations(\?.*)?$")
-    with page.expect_response(lambda r: r.request.method == "GET" and listed.search(r.url)):
-        picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }",
-                        other)
+    picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }", other)
+    expect(page.locator(f"li[data-id='{conv_id}'][data-drawn-before]")).to_have_count(0)
+    expect(item).to_have_count(1)
 
-    title.press("End")
-    title.type(" title")
-    title.press("Enter")
-    expect(item.locator(".conv-name")).to_have_text("Half a title")
-    assert server.conversation(conv_id)["title"] == "Half a title"
-    expect(item.locator(".conv-meta")).to_contain_text(picker.locator(f"option[value='{other}']").inner_text())
+    expect(title).to_be_focused()
+    expect(title).to_have_value("Half typ")
+    assert server.conversation(conv_id)["title"] == "Name me later", "nothing was saved half typed"
+    page.keyboard.type("ed title")
+    page.keyboard.press("Enter")
+    expect(item.locator(".conv-name")).to_have_text("Half typed title")
+    assert server.conversation(conv_id)["title"] == "Half typed title"
 
 
 def test_no_demo_banner_when_a_gateway_is_configured(page):
@@ -404,8 +431,9 @@ def test_phone_width_collapses_the_sidebar_and_dark_mode_applies(browser, server
         cdp.send("DOM.enable")
         cdp.send("CSS.enable")
         root = cdp.send("DOM.getDocument")["root"]["nodeId"]
-        bubble = cdp.send("DOM.querySelector", {"nodeId": root, "selector": "[data-role=assistant] .bubble p"})
-        fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": bubble["nodeId"]})["fonts"]
+        # The page opens on the newest conversation, which may hold earlier replies: this one is the last.
+        paragraphs = cdp.send("DOM.querySelectorAll", {"nodeId": root, "selector": "[data-role=assistant] .bubble p"})
+        fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": paragraphs["nodeIds"][-1]})["fonts"]
         assert any(f["familyName"].startswith("Noto Sans CJK") for f in fonts), fonts
         screenshot(page, "phone-dark")
 
