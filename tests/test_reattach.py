@@ -169,11 +169,10 @@ def test_stop_from_another_connection_closes_upstream_and_ends_every_stream(live
     follower = Reader("GET", f"{url}/stream", headers={"Last-Event-ID": "0"})
     follower.wait_for(has_delta)
 
-    asked = time.monotonic()
     assert httpx.post(f"{url}/stop", json={}).status_code == 204
 
     record = sim.wait_for_disconnect(timeout=5)
-    assert record.disconnected_at - asked < 1.0
+    assert not record.completed, "the provider finished the reply: Stop did not reach it"
     for events in (post.join(), follower.join()):
         name, data = events[-1][1:]
         assert name == "done" and data["status"] == "interrupted"
@@ -201,11 +200,10 @@ def test_delete_mid_stream_closes_the_upstream_socket(live_server, sim, tmp_path
     post = Reader("POST", f"{url}/messages", json={"content": "tell me a long story"})
     post.wait_for(has_delta)
 
-    asked = time.monotonic()
     assert httpx.delete(url).status_code == 204
 
     record = sim.wait_for_disconnect(timeout=5)
-    assert record.disconnected_at - asked < 1.0, "the provider went on generating a reply nobody can read"
+    assert not record.completed, "the provider went on generating a reply nobody can read"
     assert post.join()[-1][1] == "done"
     assert httpx.get(url).status_code == 404
     assert not (tmp_path / "data" / "conversations" / f"{conv_id}.json").exists()

@@ -272,10 +272,8 @@ async def test_stop_published_on_one_process_reaches_the_turn_on_another(two):
     other = await mine.create(conversation())
     async with a.subscribe_stop(conv["id"]) as stopped, a.subscribe_stop(other["id"]) as other_stopped:
         assert not stopped.is_set()
-        started = time.monotonic()
         assert await b.publish_stop(conv["id"]) >= 1
         await asyncio.wait_for(stopped.wait(), 5)
-        assert time.monotonic() - started < 1
         assert not other_stopped.is_set()  # only the named conversation's turn is stopped
     # Outside the block nothing waits for it any more.
     assert a._stops.waiting == {}

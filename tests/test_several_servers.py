@@ -261,7 +261,7 @@ def test_stop_on_one_server_stops_the_turn_where_it_runs(tmp_path, sim, redis_se
         after = httpx.get(on_b).json()  # the stop answers once the reply is saved and the turn let go
 
         record = sim.wait_for_disconnect(timeout=5)
-        assert record.disconnected_at - asked < 1.0, "A's upstream call went on after Stop on B"
+        assert not record.completed, "A's upstream call went on after Stop on B"
         events = post.join()
         assert events[-1][1] == "done" and events[-1][2]["status"] == "interrupted"
         assert events[-1][2]["usage"]["estimated"] is True

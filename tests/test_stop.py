@@ -33,10 +33,10 @@ def test_stop_closes_upstream_and_saves_partial_once(hang_up_stops_server, sim):
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
     conv_id = start_conversation(hang_up_stops_server)
 
-    hung_up_at = hang_up_after_first_delta(hang_up_stops_server.base_url, conv_id)
+    hang_up_after_first_delta(hang_up_stops_server.base_url, conv_id)
 
     record = sim.wait_for_disconnect(timeout=5)
-    assert record.disconnected_at - hung_up_at < 1.0
+    assert not record.completed, "the provider finished the reply: the hang-up did not stop it"
     conv = settled(hang_up_stops_server, conv_id)
     replies = [m for m in conv["messages"] if m["role"] == "assistant"]
     assert len(replies) == 1

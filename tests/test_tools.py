@@ -356,11 +356,11 @@ def test_hang_up_stops_closes_the_upstream_socket_and_keeps_the_partial_tool_rep
     conv_id = httpx.post(f"{base}/api/conversations", json={}).json()["id"]
     httpx.patch(f"{base}/api/conversations/{conv_id}", json={"settings": {"web_search": True, "web_fetch": True}})
 
-    hung_up_at = hang_up_after_first_delta(base, conv_id)
+    hang_up_after_first_delta(base, conv_id)
 
     record = sim.wait_for_disconnect(timeout=5)
     assert record.path == "/v1/messages"
-    assert record.disconnected_at - hung_up_at < 1.0
+    assert not record.completed, "the provider finished the reply: the hang-up did not stop it"
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         conv = httpx.get(f"{base}/api/conversations/{conv_id}").json()
