@@ -57,7 +57,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from failures import redact_json
 from storage import (SEALED_LISTS, SEGMENT_MESSAGES, Change, LockLost, NotFound,
-                     StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, recover_interrupted,
+                     StoreUnavailable, TurnBusy, TurnLock, _check_owner, new_id, now_iso, place_checkpoint,
+                     recover_interrupted,
                      summary_of, upgrade, valid_id)
 
 log = logging.getLogger("chat.redis_store")
@@ -726,10 +727,12 @@ class RedisOwnerStore:
             log.warning("conversation %s: a reply left streaming by a process that died reads as interrupted", conv_id)
         return recovered
 
-    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
-                     durable: bool = True) -> dict:
-        # Redis acknowledges a write once it is in its append-only file; `durable` changes nothing here.
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
         return await self.store.update(conv_id, self.owner, change, lock)
+
+    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+        """An update: the reply's item near the end of the list is trimmed and pushed again."""
+        await self.update(conv_id, lambda conv: place_checkpoint(conv, message), lock=lock)
 
     async def update_soon(self, conv_id: str, change: Change, *,
                           lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:

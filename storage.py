@@ -25,6 +25,11 @@ process. Every conversation belongs to an owner; an owner's view answers NotFoun
 owner's id exactly as for an unknown one. Turn locks live here too, so that "a turn is running on
 this conversation" is a fact of the store, not of one process's memory.
 
+A streaming reply's checkpoints go to `<id>.checkpoint` beside the conversation file: the reply
+alone, written every second or so without fsync, so a checkpoint costs the size of the reply,
+never of the conversation. Reading a conversation takes that reply in; the next whole write
+takes it into the conversation file and removes the checkpoint file.
+
 A reply a turn left `status: "streaming"` (its checkpoint) while no turn holds the
 conversation's lock belongs to a process that died: every store reads it as `interrupted`
 (`recover_interrupted`), so nothing shows as streaming forever and a new turn can start at once.
@@ -107,27 +112,20 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
 
 
-def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Write `data` to `path` so that readers see the old or the new content, never a mix.
-
-    `durable`: fsync the data and the directory, so the new content survives a power cut too.
-    Without it a killed process still leaves the old or the new file whole (the rename is atomic),
-    but a power cut may keep the older one.
-    """
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old or the new content, never a mix, even
+    after a power cut: the data and the directory are fsynced before it returns."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    if not durable:
-        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -272,26 +270,62 @@ def recover_interrupted(conv: dict) -> bool:
     return found
 
 
+def place_checkpoint(conv: dict, message: dict) -> bool:
+    """Put a streaming reply's latest state in `conv`: it replaces the copy with its id while that
+    is still `streaming`, or comes last; a settled reply is never touched. True if `conv` changed."""
+    messages = conv["messages"]
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("id") == message["id"]:
+            if messages[i].get("status") != "streaming":
+                return False
+            messages[i] = message
+            return True
+    messages.append(message)
+    return True
+
+
+def _checkpoint_message(raw: bytes) -> dict | None:
+    """A checkpoint file's reply, or None when it is not one (it is advisory: never fatal)."""
+    try:
+        message = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if (isinstance(message, dict) and isinstance(message.get("id"), str) and message.get("role") == "assistant"
+            and message.get("status") == "streaming" and isinstance(message.get("content"), str)):
+        return message
+    return None
+
+
 def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
-                    before_write: Callable[[Path, bytes], None] | None = None) -> tuple[int, int]:
+                    before_write: Callable[[Path, bytes], None] | None = None) -> tuple[int, int] | None:
+    """Put one snapshot on disk; the conversation file's new stamp (None: it was left as it was)."""
+    checkpoint = _checkpoint_path(path)
+    if snapshot.checkpoint:
+        if before_write is not None:
+            before_write(checkpoint, snapshot.data)
+        _replace_unsynced(checkpoint, snapshot.data)
+        return None
     for name, data in snapshot.segments:
         if before_write is not None:
             before_write(earlier / name, data)
         atomic_write(earlier / name, data)
     if before_write is not None:
         before_write(path, snapshot.data)
-    # Segments are always durable: the file written next names them.
-    if snapshot.durable:
-        atomic_write(path, snapshot.data)
-    else:
-        _replace_unsynced(path, snapshot.data)
+    atomic_write(path, snapshot.data)
     stat = path.stat()
     stamp = stat.st_mtime_ns, stat.st_size
+    # The file now holds everything memory held, the reply's latest checkpoint included.
+    checkpoint.unlink(missing_ok=True)
     if snapshot.keep is not None and earlier.is_dir():
         for stale in earlier.glob("*.json"):
             if stale.name not in snapshot.keep:
                 stale.unlink(missing_ok=True)
     return stamp
+
+
+def _checkpoint_path(path: Path) -> Path:
+    """`<id>.checkpoint` beside `<id>.json`: not a `.json` name, so nothing lists it as a conversation."""
+    return path.with_suffix(".checkpoint")
 
 
 def _replace_unsynced(path: Path, data: bytes) -> None:
@@ -301,7 +335,7 @@ def _replace_unsynced(path: Path, data: bytes) -> None:
     serves; it spares the random name and the directory check that a checkpoint would otherwise
     pay for four hundred times a second.
     """
-    tmp = path.with_name(f".{path.name}.checkpoint.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, data)  # a regular file takes the whole buffer at once
@@ -393,7 +427,9 @@ class Snapshot:
     data: bytes
     segments: list[tuple[str, bytes]]
     keep: set[str] | None  # after a reseal, the only segment files still referenced
-    durable: bool = True  # False for a checkpoint: a power cut may lose it, never the conversation
+    # `data` is one streaming reply, for `<id>.checkpoint`: not fsynced (a power cut may lose a
+    # checkpoint, never the conversation) and written by the CheckpointWriter.
+    checkpoint: bool = False
 
 
 def _dumps(obj: object) -> bytes:
@@ -436,16 +472,16 @@ class OwnerStore(Protocol):
     async def get(self, conv_id: str) -> dict:
         """The stored conversation; do not mutate it outside `update()`."""
 
-    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
-                     durable: bool = True) -> dict:
-        """Apply `change` to the latest version and store it; `lock`: refuse (LockLost) unless it is current.
-
-        `durable=False` (checkpoints): the store may skip what makes the write survive a power cut.
-        """
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        """Apply `change` to the latest version and store it; `lock`: refuse (LockLost) unless it is current."""
 
     async def update_soon(self, conv_id: str, change: Change, *,
                           lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
         """`update` that answers once the change is visible to every reader, with its write still running."""
+
+    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+        """Store a streaming reply as it is so far (`place_checkpoint`); it need not survive a power cut.
+        LockLost once the turn has let the conversation go."""
 
     async def list(self) -> list[dict]:
         """Every readable conversation's list entry (`summary_of`)."""
@@ -521,6 +557,8 @@ class FileStore:
         self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
         self._turn_locks: dict[str, TurnLock] = {}
         self._checkpoints = CheckpointWriter()
+        # Conversations read with a reply from their checkpoint file that no whole write has taken in.
+        self._unabsorbed: set[str] = set()
         # Told of every change as it is made (e.g. the search index): `changed(owner, conv)`,
         # `removed(owner, conv_id)`; called without awaiting, so they must only queue work.
         self.observers: list[StoreObserver] = []
@@ -588,12 +626,29 @@ class FileStore:
             check_shape(conv)
         except (ValueError, TypeError, AttributeError) as exc:
             raise Damaged(path, str(exc) or type(exc).__name__) from None
+        self._take_checkpoint(conv_id, path, conv)
         if conv_id not in self._turn_locks and recover_interrupted(conv):
             # Read as recovered at once; the file catches up with the conversation's next write.
             log.warning("conversation %s: a reply left streaming by a stopped process is now interrupted", conv_id)
         self._cache[conv_id] = (stamp, conv)
         self._sealed[conv_id] = sealed
         return conv
+
+    def _take_checkpoint(self, conv_id: str, path: Path, conv: dict) -> None:
+        """A reply checkpointed after the file's last write joins the conversation read from it."""
+        try:
+            raw = _checkpoint_path(path).read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("ignoring unreadable checkpoint of %s: %s", path.name, exc)
+            return
+        message = _checkpoint_message(raw)
+        if message is None:
+            log.warning("ignoring a damaged checkpoint of %s", path.name)
+            return
+        if place_checkpoint(conv, message):
+            self._unabsorbed.add(conv_id)
 
     def _read_earlier(self, conv_id: str, conv: dict, name: str) -> Sealed:
         """Put a list's sealed items back in front of it; ValueError says which segment is unusable."""
@@ -622,6 +677,7 @@ class FileStore:
 
     def _snapshot(self, conv_id: str, conv: dict) -> Snapshot:
         """The bytes of the next write; seals the oldest items of a list once enough have gathered."""
+        self._unabsorbed.discard(conv_id)  # a whole write takes in whatever the checkpoint file held
         before = self._sealed.get(conv_id, {})
         head = {key: value for key, value in conv.items() if key not in SEALED_LISTS}
         new_segments: list[tuple[str, bytes]] = []
@@ -650,17 +706,34 @@ class FileStore:
         keep = {e["file"] for sealed in state.values() for e in sealed.segments} if resealed else None
         return Snapshot(_dumps(head), new_segments, keep)
 
-    def apply(self, conv_id: str, conv: dict, change: Change, durable: bool = True) -> asyncio.Future:
+    def apply(self, conv_id: str, conv: dict, change: Change) -> asyncio.Future:
         """Apply `change` to `conv` now (no await: atomic within the loop) and queue its write."""
         try:
             change(conv)
             conv["updated_at"] = now_iso()
             snapshot = self._snapshot(conv_id, conv)
-            snapshot.durable = durable
         except BaseException:
             self._forget(conv_id)
             raise
         write = self._queue_write(conv_id, snapshot)
+        self._tell_changed(conv)
+        return write
+
+    def checkpoint(self, conv_id: str, conv: dict, message: dict) -> asyncio.Future | None:
+        """Put a streaming reply in `conv` and queue writing it alone to `<id>.checkpoint`.
+
+        The conversation file is left as it is, so a checkpoint costs the size of the reply, not of
+        the conversation; the next whole write takes the reply in and removes the checkpoint file.
+        None when the reply has settled meanwhile (nothing to write).
+        """
+        if conv_id in self._unabsorbed:
+            # Memory holds a reply read from the checkpoint file (a crash's): the file takes it in
+            # first, or this checkpoint would replace the only copy of it.
+            return self.apply(conv_id, conv, lambda c: place_checkpoint(c, message))
+        if not place_checkpoint(conv, message):
+            return None
+        conv["updated_at"] = now_iso()
+        write = self._queue_write(conv_id, Snapshot(_dumps(message), [], None, checkpoint=True))
         self._tell_changed(conv)
         return write
 
@@ -674,7 +747,7 @@ class FileStore:
         path = self._path(conv_id)
         previous = self._tail.get(conv_id)
         self._pending[conv_id] += 1
-        if previous is None and not snapshot.durable:
+        if previous is None and snapshot.checkpoint:
             write = self._checkpoints.submit(path, self._earlier_dir(conv_id), snapshot, self.before_write,
                                              lambda: conv_id in self._deleted)
             write.add_done_callback(lambda done: self._stamp(conv_id, done))
@@ -695,7 +768,8 @@ class FileStore:
             return
         stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot,
                                                self.before_write)
-        self._remember_stamp(conv_id, stamp)
+        if stamp is not None:
+            self._remember_stamp(conv_id, stamp)
 
     def _stamp(self, conv_id: str, write: asyncio.Future) -> None:
         if not write.cancelled() and write.exception() is None and write.result() is not None:
@@ -734,6 +808,7 @@ class FileStore:
             if (tail := self._tail.get(conv_id)) is not None:
                 await asyncio.wait([tail])  # a write already running lands first, then the file goes
             path.unlink(missing_ok=True)
+            _checkpoint_path(path).unlink(missing_ok=True)
             shutil.rmtree(self._earlier_dir(conv_id), ignore_errors=True)
 
     async def expire(self, days: float, now: datetime | None = None) -> list[str]:
@@ -811,18 +886,23 @@ class FileOwnerStore:
         if lock is not None and self.files._turn_locks.get(conv_id) is not lock:
             raise LockLost(conv_id)
 
-    async def update_soon(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
-                          durable: bool = True) -> tuple[dict, asyncio.Future]:
+    async def update_soon(self, conv_id: str, change: Change, *,
+                          lock: TurnLock | None = None) -> tuple[dict, asyncio.Future]:
         conv = self._mine(conv_id)
         self._check_lock(conv_id, lock)
-        return conv, self.files.apply(conv_id, conv, change, durable)
+        return conv, self.files.apply(conv_id, conv, change)
 
-    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None,
-                     durable: bool = True) -> dict:
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
         # A caller cancelled meanwhile (Stop) does not cancel the write: it still lands, in order.
-        conv, written = await self.update_soon(conv_id, change, lock=lock, durable=durable)
+        conv, written = await self.update_soon(conv_id, change, lock=lock)
         await asyncio.shield(written)
         return conv
+
+    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+        conv = self._mine(conv_id)
+        self._check_lock(conv_id, lock)
+        if (written := self.files.checkpoint(conv_id, conv, message)) is not None:
+            await asyncio.shield(written)
 
     async def list(self) -> list[dict]:
         return [summary_of(c) for c in self.files.load_all() if c["owner"] == self.owner]

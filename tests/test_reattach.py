@@ -219,16 +219,16 @@ def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint
         url = f"{server.base_url}/api/conversations/{conv_id}"
         post = Reader("POST", f"{url}/messages", json={"content": "tell me a long story"})
         post.wait_for(lambda events: len(text_of(events)) > len("piece0 piece1 "))
-        # The checkpoint is on disk, where a crash cannot take it back.
+        # The checkpoint is on disk (the reply alone, beside the conversation file), where a crash
+        # cannot take it back.
+        checkpoint = data_dir / "conversations" / f"{conv_id}.checkpoint"
         deadline = time.monotonic() + 10
-        while True:
-            stored = orjson.loads((data_dir / "conversations" / f"{conv_id}.json").read_bytes())["messages"]
-            if stored[-1]["role"] == "assistant" and stored[-1]["content"]:
-                break
+        while not checkpoint.exists() or not orjson.loads(checkpoint.read_bytes())["content"]:
             assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.02)
-        assert stored[-1]["status"] == "streaming"
-        checkpointed = stored[-1]["content"]
+            time.sleep(0.02)  # polling the file, bounded by the deadline
+        stored = orjson.loads(checkpoint.read_bytes())
+        assert stored["role"] == "assistant" and stored["status"] == "streaming"
+        checkpointed = stored["content"]
         server.process.kill()
         server.process.wait(10)
     finally:

@@ -21,7 +21,7 @@ from storage import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, n
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = textwrap.dedent("""
-    import asyncio, os, sys
+    import asyncio, itertools, os, sys
     sys.path.insert(0, sys.argv[2])
     import storage
     from storage import FileStore
@@ -33,10 +33,15 @@ WRITER = textwrap.dedent("""
         if len(sys.argv) > 5:  # seal every few messages, so kills land mid-seal too
             storage.SEGMENT_MESSAGES = int(sys.argv[5])
             storage.SEAL_AFTER = 2 * storage.SEGMENT_MESSAGES
-        durable = os.environ.get("CHECKPOINTS") != "1"
+        if os.environ.get("CHECKPOINTS") == "1":  # one reply growing, checkpointed again and again
+            lock = await store.lock_turn(conv_id)
+            for n in itertools.count(1):
+                await store.checkpoint(conv_id, {"id": f"reply{os.getpid()}", "role": "assistant",
+                                                 "status": "streaming", "content": padding * n}, lock=lock)
+                print(n, flush=True)
         while True:
             await store.update(conv_id, lambda c: c["messages"].append(
-                {"id": str(len(c["messages"])), "role": "user", "content": padding}), durable=durable)
+                {"id": str(len(c["messages"])), "role": "user", "content": padding}))
             print(len((await store.get(conv_id))["messages"]), flush=True)
 
     asyncio.run(main())
@@ -56,14 +61,23 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path, check
                                   stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, "CHECKPOINTS": "1" if checkpoints else "0"})
         # Read a few acknowledged writes, then kill at an arbitrary point of the next one.
-        for _ in range(3 + round_):
-            committed = max(committed, int(writer.stdout.readline()))
+        acknowledged = [int(writer.stdout.readline()) for _ in range(3 + round_)]
+        committed = max(committed, *acknowledged)
         time.sleep(0.001 * round_)
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
         writer.stdout.close()
         data = json.loads(path.read_text())  # must parse: old or new version, never a mix
-        assert len(data["messages"]) >= committed
+        if checkpoints:
+            # The checkpoint parses too, and a fresh process reads the reply up to the last one acknowledged.
+            reply = json.loads(path.with_suffix(".checkpoint").read_text())
+            assert len(reply["content"]) >= acknowledged[-1] * 20000
+            replies = (await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv_id))["messages"]
+            assert len(replies) == round_ + 1, "an earlier round's reply was lost"
+            assert all(m["status"] == "interrupted" for m in replies)
+            assert len(replies[-1]["content"]) >= acknowledged[-1] * 20000
+        else:
+            assert len(data["messages"]) >= committed
     assert not [p for p in files.conversations_dir.iterdir() if p.suffix == ".json" and p != path]
     assert await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv_id)
 
@@ -191,8 +205,7 @@ async def test_a_write_left_running_still_lands_before_a_later_one(tmp_path):
     assert json.loads((files.conversations_dir / f"{conv['id']}.json").read_text())["title"] == "second"
 
 
-@pytest.mark.parametrize("durable", [True, False], ids=["save", "checkpoint"])
-async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path, durable):
+async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path):
     files = FileStore(tmp_path)
     store = files.for_owner(LOCAL_OWNER)
     conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
@@ -202,12 +215,22 @@ async def test_a_failed_write_is_forgotten_and_the_file_read_again(tmp_path, dur
 
     files.before_write = disk_full
     with pytest.raises(OSError):
-        await store.update(conv["id"], lambda c: c.update(title="never stored"), durable=durable)
-
+        await store.update(conv["id"], lambda c: c.update(title="never stored"))
     assert (await store.get(conv["id"]))["title"] == "New conversation"
+
+    lock = await store.lock_turn(conv["id"])
+    with pytest.raises(OSError):
+        await store.checkpoint(conv["id"], streaming("never stored either"), lock=lock)
+    assert (await store.get(conv["id"]))["messages"] == []
+
     files.before_write = None
-    await store.update(conv["id"], lambda c: c.update(title="stored"), durable=durable)
-    assert json.loads((files.conversations_dir / f"{conv['id']}.json").read_text())["title"] == "stored"
+    await store.checkpoint(conv["id"], streaming("stored"), lock=lock)
+    assert (await reread(tmp_path, conv["id"]))["messages"][-1]["content"] == "stored"
+
+
+def streaming(text: str) -> dict:
+    """A reply still being written, as a checkpoint stores it."""
+    return {"id": "reply", "role": "assistant", "status": "streaming", "content": text}
 
 
 def message(n: int) -> dict:
@@ -359,7 +382,8 @@ async def test_a_checkpoint_write_skips_fsync_and_every_other_write_keeps_it(tmp
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
 
-    await store.update(conv["id"], lambda c: c.update(title="checkpoint"), durable=False)
+    lock = await store.lock_turn(conv["id"])
+    await store.checkpoint(conv["id"], streaming("so far"), lock=lock)
     assert synced == []
     await store.update(conv["id"], lambda c: c.update(title="saved"))
     assert len(synced) == 2  # the file and its directory
@@ -373,12 +397,14 @@ async def test_checkpoints_of_many_conversations_are_written_by_one_thread_and_l
     writers = set()
     files.before_write = lambda path, data: writers.add(threading.current_thread().name)
 
-    await asyncio.gather(*(store.update(c["id"], lambda c, n=n: c.update(title=f"checkpoint {n}"), durable=False)
-                           for n, c in enumerate(convs)))
+    locks = [await store.lock_turn(c["id"]) for c in convs]
+    await asyncio.gather(*(store.checkpoint(c["id"], streaming(f"checkpoint {n}"), lock=lock)
+                           for n, (c, lock) in enumerate(zip(convs, locks))))
 
     assert writers == {"checkpoint-writer"}
     fresh = FileStore(tmp_path).for_owner(LOCAL_OWNER)
-    assert [(await fresh.get(c["id"]))["title"] for c in convs] == [f"checkpoint {n}" for n in range(30)]
+    assert [(await fresh.get(c["id"]))["messages"][-1]["content"] for c in convs] == [
+        f"checkpoint {n}" for n in range(30)]
     assert not [p for p in files.conversations_dir.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -395,10 +421,14 @@ async def test_a_save_right_behind_a_slow_checkpoint_lands_after_it(tmp_path):
             time.sleep(0.2)
 
     files.before_write = slow_checkpoint
-    _, checkpoint = await store.update_soon(conv["id"], lambda c: c.update(title="checkpoint"), durable=False)
+    lock = await store.lock_turn(conv["id"])
+    checkpoint = asyncio.create_task(store.checkpoint(conv["id"], streaming("checkpoint"), lock=lock))
     await asyncio.wait_for(started.wait(), 10)
-    await store.update(conv["id"], lambda c: c.update(title="saved"))
+    await store.update(conv["id"], lambda c: c["messages"][-1].update(status="complete", content="whole"),
+                       lock=lock)
 
     assert checkpoint.done()
-    assert on_disk(files, conv["id"])["title"] == "saved"
+    assert on_disk(files, conv["id"])["messages"][-1]["content"] == "whole"
+    assert not (files.conversations_dir / f"{conv['id']}.checkpoint").exists()
+    assert (await reread(tmp_path, conv["id"]))["messages"][-1]["status"] == "complete"
 
