@@ -474,18 +474,23 @@ def phase_overhead(gw: Gateway, targets: list[Target], tags: Tags, work: Path, l
     return out
 
 
+def sustain_once(gw: Gateway, target: Target, tags: Tags, work: Path) -> dict:
+    """One run of SUSTAIN_STREAMS streams at 20 tokens/s against `target`: its summary."""
+    gw.script(SUSTAIN_REPLY, SUSTAIN_STREAMS + 50)
+    spec = load_spec(target.port, target.dialect, target.clients(tags, SUSTAIN_STREAMS, 1), spread=SUSTAIN_SPREAD,
+                     phase_timeout=150, request_timeout=140, keep_gaps=True)
+    load = run_load(spec, target.service, work)
+    summary = summarize(load.records)
+    summary["rss_mb_peak"], summary["other_cpu"] = load.rss_mb_peak, load.other_cpu
+    return summary
+
+
 def phase_sustain(gw: Gateway, targets: list[Target], tags: Tags, work: Path, log) -> dict:
     """400 streams at 20 tokens/s held open together: the gaps between events as the client sees them."""
     out = {}
     n = SUSTAIN_STREAMS
     for target in targets:
-        gw.script(SUSTAIN_REPLY, n + 50)
-        spec = load_spec(target.port, target.dialect, target.clients(tags, n, 1), spread=SUSTAIN_SPREAD,
-                         phase_timeout=150, request_timeout=140, keep_gaps=True)
-        load = run_load(spec, target.service, work)
-        summary = summarize(load.records)
-        summary["rss_mb_peak"], summary["other_cpu"] = load.rss_mb_peak, load.other_cpu
-        out[target.name] = summary
+        out[target.name] = summary = sustain_once(gw, target, tags, work)
         gap = summary["gap"] or {}
         log(f"  {target.label:22s} x{n} completed {summary['completed']}/{summary['requests']} "
             f"gap p50 {ms(gap.get(50))} p99 {ms(gap.get(99))} max {ms(gap.get(100))} ms, "
@@ -505,11 +510,7 @@ def phase_checkpoint_pair(gw: Gateway, on: Target, off: Target, first: dict, tag
     for round_ in range(1, CHECKPOINT_ROUNDS):
         pair = ((("off", off), ("on", on)) if round_ % 2 else (("on", on), ("off", off)))
         for side, target in pair:
-            gw.script(SUSTAIN_REPLY, SUSTAIN_STREAMS + 50)
-            spec = load_spec(target.port, target.dialect, target.clients(tags, SUSTAIN_STREAMS, 1),
-                             spread=SUSTAIN_SPREAD, phase_timeout=150, request_timeout=140, keep_gaps=True)
-            summary = summarize(run_load(spec, target.service, work).records)
-            p99s[side].append(ms((summary["gap"] or {}).get(99)))
+            p99s[side].append(ms((sustain_once(gw, target, tags, work)["gap"] or {}).get(99)))
         log(f"  round {round_ + 1}/{CHECKPOINT_ROUNDS}: p99 gap on {p99s['on'][-1]} ms, off {p99s['off'][-1]} ms")
     return p99s
 

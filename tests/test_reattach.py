@@ -31,6 +31,14 @@ def slow_reply(pause: float = 0.05) -> Script:
     return Script(steps=[step for piece in PIECES for step in (steps.Text(piece), steps.Sleep(pause))])
 
 
+def assert_running(url: str, post: "Reader") -> None:
+    """The conversation at `url` shows the turn `post` started as running, with events sent."""
+    running = httpx.get(url).json()
+    assert running["streaming"] is True
+    assert running["turn"]["assistant_message_id"] == post.events[0][2]["assistant_message_id"]
+    assert running["turn"]["events"] >= 2
+
+
 def start_conversation(base_url: str) -> str:
     conv = httpx.post(f"{base_url}/api/conversations", json={}).json()
     httpx.patch(f"{base_url}/api/conversations/{conv['id']}", json={"settings": {"web_search": False, "web_fetch": False}})
@@ -143,10 +151,7 @@ def test_two_streams_attached_at_different_times_get_the_same_events_from_their_
 
     post = Reader("POST", f"{url}/messages", json={"content": "tell me a long story"})
     post.wait_for(has_delta)
-    running = httpx.get(url).json()
-    assert running["streaming"] is True
-    assert running["turn"]["assistant_message_id"] == post.events[0][2]["assistant_message_id"]
-    assert running["turn"]["events"] >= 2
+    assert_running(url, post)
     first = Reader("GET", f"{url}/stream?after=0")
     first.wait_for(lambda events: len(events) >= 6)
     seen = first.events[4][0]

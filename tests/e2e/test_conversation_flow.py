@@ -80,12 +80,17 @@ def test_an_empty_conversation_greets_and_an_example_fills_the_composer(page, si
     expect(greeting).to_be_hidden()
 
 
-def test_a_long_typed_message_starts_collapsed(page, sim):
+def send_a_long_message(page, sim) -> tuple[str, object]:
+    """A 40-line message, answered; its text and its place in the transcript."""
     long = "\n".join(f"line {i}: " + "words " * 5 for i in range(40))
     sim.enqueue(Script([steps.Text("Read it.")]))
     send(page, long)
     expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
-    message = user_messages(page).last
+    return long, user_messages(page).last
+
+
+def test_a_long_typed_message_starts_collapsed(page, sim):
+    long, message = send_a_long_message(page, sim)
     bubble = message.locator(".bubble")
     collapsed = bubble.bounding_box()["height"]
     assert collapsed < 300
@@ -96,11 +101,7 @@ def test_a_long_typed_message_starts_collapsed(page, sim):
 
 
 def test_a_long_message_shown_whole_stays_whole_when_the_conversation_is_read_again(page, sim):
-    long = "\n".join(f"line {i}: " + "words " * 5 for i in range(40))
-    sim.enqueue(Script([steps.Text("Read it.")]))
-    send(page, long)
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
-    message = user_messages(page).last
+    _, message = send_a_long_message(page, sim)
     message.get_by_role("button", name="Show more").click()
     expect(message.get_by_role("button", name="Show less")).to_be_visible()
 

@@ -360,22 +360,32 @@ def test_sidebar_lists_newest_first_and_opens_renames_and_deletes(page, server, 
     assert server.conversation(second)["title"] == "Beta question"
 
 
-def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, sim):
-    sim.enqueue(Script([steps.Text("Kept.")]))
-    send(page, "Keep me for a moment")
+def answered_conversation(page, sim, question: str):
+    """Send `question`, wait for the reply; the conversation's id and its sidebar entry."""
+    sim.enqueue(Script([steps.Text("Noted.")]))
+    send(page, question)
     expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
     conv_id = conversation_id(page)
-    item = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+    return conv_id, page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+
+
+def change_model_without_moving_focus(page) -> str:
+    """Pick another model as a script would: the list is read again while the focus stays where it
+    was, as when a title arrives or a turn elsewhere runs. The model's label."""
+    picker = page.get_by_test_id("model-picker")
+    values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
+    other = next(v for v in values if v != picker.input_value())
+    picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }", other)
+    return picker.locator(f"option[value='{other}']").inner_text()
+
+
+def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, sim):
+    conv_id, item = answered_conversation(page, sim, "Keep me for a moment")
     delete = item.get_by_role("button", name=re.compile("^Delete"))
     delete.click()
     expect(delete).to_have_text("Delete?")
 
-    # A model change re-reads the list without moving the focus, as a running turn elsewhere does.
-    picker = page.get_by_test_id("model-picker")
-    values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
-    other = next(v for v in values if v != picker.input_value())
-    label = picker.locator(f"option[value='{other}']").inner_text()
-    picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }", other)
+    label = change_model_without_moving_focus(page)
     expect(item.locator(".conv-meta")).to_contain_text(label)
 
     expect(delete).to_have_text("Delete?")
@@ -385,21 +395,13 @@ def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, s
 
 
 def test_a_title_being_typed_in_the_list_stays_when_the_list_is_read_again(page, server, sim):
-    sim.enqueue(Script([steps.Text("Noted.")]))
-    send(page, "Name me later")
-    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
-    conv_id = conversation_id(page)
-    item = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
+    conv_id, item = answered_conversation(page, sim, "Name me later")
     item.get_by_role("button", name=re.compile("^Rename")).click()
     title = item.get_by_role("textbox", name="Conversation title")
     title.fill("Half typ")
 
-    # A model change re-reads the list without moving the focus, as a title arriving does.
     item.evaluate("li => { li.dataset.drawnBefore = 'true'; }")
-    picker = page.get_by_test_id("model-picker")
-    values = picker.locator("option").evaluate_all("options => options.map(o => o.value)")
-    other = next(v for v in values if v != picker.input_value())
-    picker.evaluate("(select, value) => { select.value = value; select.dispatchEvent(new Event('change')); }", other)
+    change_model_without_moving_focus(page)
     expect(page.locator(f"li[data-id='{conv_id}'][data-drawn-before]")).to_have_count(0)
     expect(item).to_have_count(1)
 
