@@ -18,7 +18,7 @@ from config import Settings
 from simulator import Script, steps
 from redis_store import RedisStore
 from redis_support import redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import FileStore, new_id, now_iso
+from storage import FileStore, checkpoints_beside, new_id, now_iso
 from support import LiveServer, hang_up_after_first_delta, serve
 from turns import Turns
 
@@ -226,12 +226,12 @@ def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint
         post.wait_for(lambda events: len(text_of(events)) > len("piece0 piece1 "))
         # The checkpoint is on disk (the reply alone, beside the conversation file), where a crash
         # cannot take it back.
-        checkpoint = data_dir / "conversations" / f"{conv_id}.checkpoint"
+        conv_file = data_dir / "conversations" / f"{conv_id}.json"
         deadline = time.monotonic() + 10
-        while not checkpoint.exists() or not orjson.loads(checkpoint.read_bytes())["content"]:
+        while not (found := checkpoints_beside(conv_file)) or not found[0][1]["content"]:
             assert time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.02)  # polling the file, bounded by the deadline
-        stored = orjson.loads(checkpoint.read_bytes())
+        stored = found[0][1]
         assert stored["role"] == "assistant" and stored["status"] == "streaming"
         checkpointed = stored["content"]
         server.process.kill()

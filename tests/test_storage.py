@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import storage
-from storage import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, new_id, valid_id
+from storage import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, checkpoints_beside, new_id, valid_id
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,8 +69,9 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path, check
         writer.stdout.close()
         data = json.loads(path.read_text())  # must parse: old or new version, never a mix
         if checkpoints:
-            # The checkpoint parses too, and a fresh process reads the reply up to the last one acknowledged.
-            reply = json.loads(path.with_suffix(".checkpoint").read_text())
+            # A whole checkpoint is left (a cut one spoils only the slot it was writing), and a fresh
+            # process reads the reply up to the last one acknowledged.
+            reply = checkpoints_beside(path)[0][1]
             assert len(reply["content"]) >= acknowledged[-1] * 20000
             replies = (await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv_id))["messages"]
             assert len(replies) == round_ + 1, "an earlier round's reply was lost"
@@ -429,6 +430,39 @@ async def test_a_save_right_behind_a_slow_checkpoint_lands_after_it(tmp_path):
 
     assert checkpoint.done()
     assert on_disk(files, conv["id"])["messages"][-1]["content"] == "whole"
-    assert not (files.conversations_dir / f"{conv['id']}.checkpoint").exists()
+    assert not checkpoints_beside(files.conversations_dir / f"{conv['id']}.json")
     assert (await reread(tmp_path, conv["id"]))["messages"][-1]["status"] == "complete"
 
+
+
+async def test_a_torn_checkpoint_leaves_the_one_before_it(tmp_path):
+    """Slots are written in place, by turns: a write cut short spoils its own slot, not the other."""
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    lock = await store.lock_turn(conv["id"])
+    await store.checkpoint(conv["id"], streaming("first part"), lock=lock)
+    await store.checkpoint(conv["id"], streaming("first part, second part " + "x" * 5000), lock=lock)
+    path = files.conversations_dir / f"{conv['id']}.json"
+    newest = next(slot for slot in (path.with_suffix(".checkpoint"), path.with_suffix(".checkpoint-b"))
+                  if b"second part" in slot.read_bytes())
+    whole = newest.read_bytes()
+    newest.write_bytes(whole[:4096])  # a crash cut the write after its first page
+
+    assert (await reread(tmp_path, conv["id"]))["messages"][-1]["content"] == "first part"
+    newest.write_bytes(whole.replace(b"second", b"sec0nd"))  # same length, wrong CRC
+    assert (await reread(tmp_path, conv["id"]))["messages"][-1]["content"] == "first part"
+
+
+async def test_a_shorter_checkpoint_over_a_longer_one_reads_as_itself(tmp_path):
+    """A slot is not truncated: the frame's length, not the file's, tells where the checkpoint ends."""
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    lock = await store.lock_turn(conv["id"])
+    for text in ("a long first draft " * 200, "a long first draft", "short"):
+        await store.checkpoint(conv["id"], streaming(text), lock=lock)
+
+    assert (await reread(tmp_path, conv["id"]))["messages"][-1]["content"] == "short"
+    path = files.conversations_dir / f"{conv['id']}.json"
+    assert path.with_suffix(".checkpoint-b").stat().st_size > 2000  # the leftovers are still there
