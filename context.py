@@ -87,12 +87,17 @@ def count_tokens(text: str) -> int:
         if (known := _token_counts.pop(key, None)) is not None:
             _token_counts[key] = known  # reinserted: now the most recently used
             return known
-    counted = len(_encoding().encode(text, disallowed_special=()))
+    counted = count_tokens_uncached(text)
     with _token_counts_lock:
         _token_counts[key] = counted
         while len(_token_counts) * TOKEN_CACHE_ENTRY_BYTES > TOKEN_CACHE_BYTES:
             del _token_counts[next(iter(_token_counts))]
     return counted
+
+
+def count_tokens_uncached(text: str) -> int:
+    """Plain tiktoken count of a text that will not be counted again (nothing is remembered)."""
+    return len(_encoding().encode(text, disallowed_special=())) if text else 0
 
 
 def estimate_tokens(text: str) -> int:

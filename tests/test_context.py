@@ -638,3 +638,25 @@ def test_the_server_loads_the_tokenizer_at_start_up_not_in_the_first_turn(tmp_pa
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.split() == ["False", "True"], out.stderr
+
+
+def test_a_growing_reply_is_counted_piece_by_piece_to_its_whole_count():
+    """Checkpoints tokenize only what was added; the pieces add up to the whole reply's count."""
+    from checkpoints import OutputCount
+
+    reply = " ".join(f"word{n % 97} and, then: more{n}." for n in range(1500))
+    cached_before = dict(context._token_counts)
+    output = OutputCount()
+    for end in range(1, len(reply), 211):
+        assert output.of(reply[:end]) == context.count_tokens_uncached(reply[:end])
+    assert output.of(reply) == context.count_tokens_uncached(reply)
+    assert context._token_counts == cached_before  # a reply's passing lengths stay out of the shared cache
+
+    started_over = "A different answer after a resend."
+    assert output.of(started_over) == context.count_tokens_uncached(started_over)
+
+    chinese = "这是一个很长的回答，没有空格。" * 400
+    output = OutputCount()
+    counts = [output.of(chinese[:end]) for end in range(7, len(chinese), 131)] + [output.of(chinese)]
+    whole = context.count_tokens_uncached(chinese)
+    assert abs(counts[-1] - whole) <= whole * 0.01
