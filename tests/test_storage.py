@@ -437,10 +437,7 @@ async def test_a_save_right_behind_a_slow_checkpoint_lands_after_it(tmp_path):
 
 async def test_a_torn_checkpoint_leaves_the_one_before_it(tmp_path):
     """Slots are written in place, by turns: a write cut short spoils its own slot, not the other."""
-    files = FileStore(tmp_path)
-    store = files.for_owner(LOCAL_OWNER)
-    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
-    lock = await store.lock_turn(conv["id"])
+    files, store, conv, lock = await conversation_with_a_turn(tmp_path)
     await store.checkpoint(conv["id"], streaming("first part"), lock=lock)
     await store.checkpoint(conv["id"], streaming("first part, second part " + "x" * 5000), lock=lock)
     path = files.conversations_dir / f"{conv['id']}.json"
@@ -456,13 +453,18 @@ async def test_a_torn_checkpoint_leaves_the_one_before_it(tmp_path):
 
 async def test_a_shorter_checkpoint_over_a_longer_one_reads_as_itself(tmp_path):
     """A slot is not truncated: the frame's length, not the file's, tells where the checkpoint ends."""
-    files = FileStore(tmp_path)
-    store = files.for_owner(LOCAL_OWNER)
-    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
-    lock = await store.lock_turn(conv["id"])
+    files, store, conv, lock = await conversation_with_a_turn(tmp_path)
     for text in ("a long first draft " * 200, "a long first draft", "short"):
         await store.checkpoint(conv["id"], streaming(text), lock=lock)
 
     assert (await reread(tmp_path, conv["id"]))["messages"][-1]["content"] == "short"
     path = files.conversations_dir / f"{conv['id']}.json"
     assert path.with_suffix(".checkpoint-b").stat().st_size > 2000  # the leftovers are still there
+
+
+async def conversation_with_a_turn(root: Path):
+    """A file store, its local view, a new conversation and the lock of a turn running on it."""
+    files = FileStore(root)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+    return files, store, conv, await store.lock_turn(conv["id"])
