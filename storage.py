@@ -405,7 +405,7 @@ class CheckpointWriter:
 
     def submit(self, path: Path, earlier: Path, snapshot: Snapshot,
                before_write: Callable[[Path, bytes], None] | None, skip: Callable[[], bool]) -> asyncio.Future:
-        """Queue one write; the future settles (with the file's stamp) on the submitting loop."""
+        """Queue one checkpoint write; the future settles on the submitting loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._ready:
@@ -790,9 +790,9 @@ class FileStore:
         previous = self._tail.get(conv_id)
         self._pending[conv_id] += 1
         if previous is None and snapshot.checkpoint:
+            # A checkpoint leaves the conversation file as it was, so there is no new stamp to remember.
             write = self._checkpoints.submit(path, self._earlier_dir(conv_id), snapshot, self.before_write,
                                              lambda: conv_id in self._deleted)
-            write.add_done_callback(lambda done: self._stamp(conv_id, done))
         else:
             write = asyncio.ensure_future(self._write_after(previous, conv_id, path, snapshot))
         self._tail[conv_id] = write
@@ -810,16 +810,8 @@ class FileStore:
             return
         stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot,
                                                self.before_write)
-        if stamp is not None:
-            self._remember_stamp(conv_id, stamp)
-
-    def _stamp(self, conv_id: str, write: asyncio.Future) -> None:
-        if not write.cancelled() and write.exception() is None and write.result() is not None:
-            self._remember_stamp(conv_id, write.result())
-
-    def _remember_stamp(self, conv_id: str, stamp: tuple[int, int]) -> None:
-        """The file now holds what memory holds: reads may trust the cache while it keeps this stamp."""
-        if conv_id in self._cache:
+        if stamp is not None and conv_id in self._cache:
+            # The file now holds what memory holds: reads may trust the cache while it keeps this stamp.
             self._cache[conv_id] = (stamp, self._cache[conv_id][1])
 
     def _written(self, conv_id: str, write: asyncio.Future) -> None:
