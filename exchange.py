@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import unicodedata
+from collections import Counter
 from typing import Callable, Iterator, NotRequired, TypedDict
 from urllib.parse import quote
 
@@ -30,6 +31,7 @@ ROLES = ("user", "assistant")
 MAX_IMPORT_BYTES = 200 * 1024 * 1024
 MAX_CONVERSATIONS = 50_000
 MAX_NODES = 100_000  # per conversation
+MAX_SIBLINGS = 1_000  # versions of one message: answers regenerated, questions edited
 MAX_CONTENT_CHARS = 2_000_000  # per message
 MAX_TITLE_CHARS = 200
 
@@ -274,28 +276,34 @@ def build_tree(raw: dict[str, Raw], order: dict[str, list[str]], current: str | 
     check_acyclic(raw)
     fresh = {} if fresh is None else fresh
     fresh.update({old: new_id() for old, node in raw.items() if node["role"] is not None})
-
-    def kept_ancestor(old: str | None) -> str | None:  # check_acyclic made this walk finite
-        while old is not None and raw[old]["role"] is None:
-            old = raw[old]["parent"]
-        return old
-
     children: dict[str | None, list[str]] = {}
     for old in _ordered(raw, order):
         children.setdefault(raw[old]["parent"], []).append(old)
+    # The nearest kept message at or above each node, filled parents first: one step per node,
+    # where walking up from each node made long chains of left-out nodes quadratic.
+    kept_at: dict[str | None, str | None] = {None: None}
+    kept_children: Counter[str | None] = Counter()
     nodes: list[Node] = []
     stack = list(reversed(children.get(None, [])))
     while stack:
         old = stack.pop()
         node = raw[old]
-        if node["role"] is not None:
-            out: Node = {"id": fresh[old], "parent_id": fresh.get(kept_ancestor(node["parent"])),
+        above = kept_at[node["parent"]]
+        if node["role"] is None:
+            kept_at[old] = above
+        else:
+            kept_at[old] = old
+            kept_children[above] += 1
+            if kept_children[above] > MAX_SIBLINGS:
+                raise Unreadable(f"a message has over {MAX_SIBLINGS} versions side by side "
+                                 "(answers or edits of the same point)")
+            out: Node = {"id": fresh[old], "parent_id": fresh.get(above),
                          "role": node["role"], "content": node["content"], "created_at": node["created_at"]}
             if node["model"]:
                 out["model"] = node["model"]
             nodes.append(out)
         stack.extend(reversed(children.get(old, [])))
-    leaf = kept_ancestor(current) if current in raw else None
+    leaf = kept_at.get(current)
     if leaf is not None:
         return nodes, fresh[leaf]
     return nodes, (_last_leaf(nodes) if nodes else None)

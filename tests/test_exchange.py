@@ -298,4 +298,86 @@ async def test_the_import_route_stores_every_conversation_or_none(client):
     assert len(ids) == 2
     stored = (await client.get(f"/api/conversations/{ids[0]}")).json()
     assert [m["content"] for m in stored["messages"]][-1] == "Rome is the capital of Italy."
-    assert stored["title"] == "Capitals" and len(stored["branches"]) == 2
+    assert stored["title"] == "Capitals" and len(stored["branches"]) == 1  # the Italy question, on the path
+
+
+# --- sizes that must stay linear (issue 21) -------------------------------------------------------
+
+def chatgpt_node(parent: str | None, role: str, text: str) -> dict:
+    return {"parent": parent, "children": [],
+            "message": {"author": {"role": role}, "content": {"content_type": "text", "parts": [text]}}}
+
+
+def chatgpt_file(mapping: dict, current: str | None = None) -> bytes:
+    return orjson.dumps([{"title": "Many versions", "mapping": mapping, "current_node": current}])
+
+
+def answered_levels(levels: int, answers: int) -> tuple[dict, str]:
+    """`levels` questions, each answered `answers` times; the next question follows the last answer."""
+    mapping, parent = {}, None
+    for level in range(levels):
+        question = f"q{level}"
+        mapping[question] = chatgpt_node(parent, "user", f"question {level}")
+        for k in range(answers):
+            mapping[f"a{level}-{k}"] = chatgpt_node(question, "assistant", f"answer {level}.{k}")
+        parent = f"a{level}-{answers - 1}"
+    return mapping, parent
+
+
+class CountingRaw(dict):
+    """The source nodes handed to `build_tree`, counting how often it reads one."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        return super().__getitem__(key)
+
+
+def test_a_long_chain_of_left_out_messages_is_read_a_few_times_per_node_not_once_per_step():
+    # Tool calls, reasoning and hidden system messages are left out and their children hang from
+    # the nearest kept message: each answer below a chain used to walk the whole chain up.
+    chain, answers = 5_000, exchange.MAX_SIBLINGS
+    raw = CountingRaw(q={"parent": None, "role": "user", "content": "q", "created_at": "t", "model": None})
+    parent = "q"
+    for i in range(chain):
+        raw[f"h{i}"] = {"parent": parent, "role": None, "content": "", "created_at": "t", "model": None}
+        parent = f"h{i}"
+    for k in range(answers):
+        raw[f"a{k}"] = {"parent": parent, "role": "assistant", "content": f"a{k}", "created_at": "t", "model": None}
+
+    nodes, current = exchange.build_tree(raw, {}, "a0")
+
+    assert len(nodes) == 1 + answers and {n["parent_id"] for n in nodes[1:]} == {nodes[0]["id"]}
+    assert current == nodes[1]["id"]
+    assert raw.reads <= 4 * len(raw)  # walking up from every answer read it 10 million times
+
+
+def test_an_import_with_more_versions_of_a_message_than_the_cap_is_refused():
+    mapping, _ = answered_levels(1, 20_000)  # the attack: 20,000 answers to one question
+
+    with pytest.raises(Unreadable, match=f"over {exchange.MAX_SIBLINGS} versions"):
+        parse_import(chatgpt_file(mapping))
+
+
+async def test_an_import_of_20000_sibling_answers_answers_a_get_of_a_few_megabytes(client):
+    # 20 questions answered 1,000 times each: listing every sibling's group made this 500 MB.
+    mapping, last = answered_levels(20, exchange.MAX_SIBLINGS)
+    imported = await client.post("/api/import", files={"file": ("conversations.json", chatgpt_file(mapping, last))})
+    assert imported.status_code == 201, imported.text
+
+    response = await client.get(f"/api/conversations/{imported.json()['imported'][0]}")
+
+    assert response.status_code == 200 and len(response.content) < 3 * 2**20
+    conv = response.json()
+    assert len(conv["messages"]) == 40 and set(conv["branches"]) == {m["id"] for m in conv["messages"][1::2]}
+    assert all(len(group) == exchange.MAX_SIBLINGS for group in conv["branches"].values())
+
+
+async def test_a_refused_import_stores_nothing(client):
+    mapping, _ = answered_levels(1, exchange.MAX_SIBLINGS + 1)
+
+    response = await client.post("/api/import", files={"file": ("conversations.json", chatgpt_file(mapping))})
+
+    assert response.status_code == 422 and f"over {exchange.MAX_SIBLINGS} versions" in response.json()["detail"]
+    assert (await client.get("/api/conversations")).json() == []
