@@ -424,7 +424,7 @@ async def test_a_branched_chatgpt_import_survives_export_and_import_again(client
     germany = (await switch(client, cid, stored["branches"][stored["messages"][2]["id"]][0]))
     assert texts(germany) == ["What is the capital of France?", "The capital of France is Paris.",
                               "And of Germany?", "Berlin."]
-    await switch(client, cid, stored["messages"][-1]["id"])
+    await switch(client, cid, stored["messages"][-2]["id"])  # the last is the notice that gpt-4o is not in the lineup
 
     first = orjson.loads(await export_of(client, cid))["conversations"][0]
     again = await client.post("/api/import", files={"file": ("export.json", await export_of(client, cid))})
@@ -466,7 +466,7 @@ async def test_a_version_3_file_loads_as_one_path(settings, tmp_path):
     cid = new_id()
     messages = [{"id": new_id(), "role": role, "content": f"{role} {i}", "created_at": now_iso()}
                 for i in range(3) for role in ("user", "assistant")]
-    old = {"schema_version": 3, "id": cid, "owner": "local", "title": "Old", "model": "m", "created_at": now_iso(),
+    old = {"schema_version": 3, "id": cid, "owner": "local", "title": "Old", "model": "openai/gpt-5-mini", "created_at": now_iso(),
            "updated_at": now_iso(), "settings": {}, "summary": "old summary", "last_prompt_tokens": 10,
            "totals": {"turns": 3}, "archive": messages[:2], "messages": messages[2:]}
     folder = settings.data_dir / "conversations"

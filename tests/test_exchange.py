@@ -297,7 +297,7 @@ async def test_the_import_route_stores_every_conversation_or_none(client):
     ids = accepted.json()["imported"]
     assert len(ids) == 2
     stored = (await client.get(f"/api/conversations/{ids[0]}")).json()
-    assert [m["content"] for m in stored["messages"]][-1] == "Rome is the capital of Italy."
+    assert [m["content"] for m in stored["messages"] if m["role"] != "notice"][-1] == "Rome is the capital of Italy."
     assert stored["title"] == "Capitals" and len(stored["branches"]) == 1  # the Italy question, on the path
 
 
@@ -381,3 +381,38 @@ async def test_a_refused_import_stores_nothing(client):
 
     assert response.status_code == 422 and f"over {exchange.MAX_SIBLINGS} versions" in response.json()["detail"]
     assert (await client.get("/api/conversations")).json() == []
+
+
+# --- models from the lineup only (issue 21) ---------------------------------------------------------
+
+async def test_an_import_whose_model_is_not_in_the_lineup_uses_the_default_and_says_so(client, sim, settings):
+    response = await client.post("/api/import", files={"file": ("x.json", fixture("chatgpt_conversations.json"))})
+
+    assert response.status_code == 201
+    ids, warnings = response.json()["imported"], response.json()["warnings"]
+    assert [(w["id"], w["code"]) for w in warnings] == [(ids[0], "model_replaced"), (ids[1], "model_replaced")]
+    assert "gpt-4o" in warnings[0]["message"] and settings.default_model in warnings[0]["message"]
+    capitals = (await client.get(f"/api/conversations/{ids[0]}")).json()
+    assert capitals["model"] == settings.default_model
+    notice = capitals["messages"][-1]
+    assert (notice["role"], notice["content"]) == ("notice", warnings[0]["message"])
+    assert notice["parent_id"] == capitals["messages"][-2]["id"]
+    await client.patch(f"/api/conversations/{ids[0]}", json={"settings": {"web_search": False, "web_fetch": False}})
+    sim.enqueue(Script(steps=[steps.Text("Madrid.")]))
+    sent = await client.post(f"/api/conversations/{ids[0]}/messages", json={"content": "And of Spain?"})
+    assert sent.status_code == 200
+    body = [r.body for r in sim.requests if r.body.get("stream")][-1]
+    assert body["model"] == settings.default_model  # never "gpt-4o" as the file said
+    assert [m["role"] for m in body["messages"] if m["role"] != "system"] == ["user", "assistant"] * 2 + ["user"]
+
+
+async def test_an_import_whose_model_is_in_the_lineup_keeps_it_without_a_word(client):
+    data = json.loads(fixture("chatgpt_conversations.json"))
+    for item in data:
+        item["default_model_slug"] = "anthropic/claude-sonnet-4.5"
+
+    response = await client.post("/api/import", files={"file": ("x.json", orjson.dumps(data))})
+
+    assert response.status_code == 201 and response.json()["warnings"] == []
+    stored = (await client.get(f"/api/conversations/{response.json()['imported'][0]}")).json()
+    assert stored["model"] == "anthropic/claude-sonnet-4.5" and stored["messages"][-1]["role"] == "assistant"
