@@ -4,6 +4,7 @@ exports as trees, the round trip through our own format, and files that cannot b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import orjson
@@ -160,7 +161,7 @@ UNREADABLE = [
     (b"[]", "no conversations"),
     (b'[{"title": "x"}]', "not a ChatGPT, Open WebUI or chat-server export"),
     (b'{"format": "chat-server-export", "version": 99, "conversations": []}', "version 99"),
-    (b'{"format": "chat-server-export", "version": 1, "conversations": [{"nodes": "x"}]}', "no list of messages"),
+    (b'{"format": "chat-server-export", "version": 1, "conversations": [{"nodes": "x"}]}', "nodes: Input should be a valid list"),
     (chatgpt_with(cycle), "cycle"),
     (chatgpt_with(missing_parent), "not in the file"),
     (chatgpt_with(mapping_not_object), "no `mapping`"),
@@ -416,3 +417,72 @@ async def test_an_import_whose_model_is_in_the_lineup_keeps_it_without_a_word(cl
     assert response.status_code == 201 and response.json()["warnings"] == []
     stored = (await client.get(f"/api/conversations/{response.json()['imported'][0]}")).json()
     assert stored["model"] == "anthropic/claude-sonnet-4.5" and stored["messages"][-1]["role"] == "assistant"
+
+
+# --- this server's own export: every imported field is type-checked (issue 21) ---------------------
+
+def own_export(mutate) -> bytes:
+    """A real export of the ChatGPT fixture's first conversation, with an older export's `archive`, changed by `mutate`."""
+    (capitals, _) = parse_import(fixture("chatgpt_conversations.json"))
+    envelope = json.loads(exchange.export_json([stored_from(capitals)]))
+    envelope["conversations"][0]["archive"] = [
+        {"role": "user", "content": "an earlier question", "created_at": "2024-05-01T10:00:00.000Z"},
+        {"role": "assistant", "content": "an earlier answer", "model": "gpt-4", "created_at": "2024-05-01T10:00:01.000Z"}]
+    mutate(envelope["conversations"][0])
+    return orjson.dumps(envelope)
+
+
+def setter(*path, value):
+    def mutate(conv: dict) -> None:
+        target = conv
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+BAD_FIELDS = [
+    (setter("archive", 1, "model", value=5), "archive[1].model"),  # made every Markdown export of it a 500
+    (setter("archive", 0, "created_at", value=7), "archive[0].created_at"),
+    (setter("archive", 0, "content", value=["x"]), "archive[0].content"),
+    (setter("archive", value="folded"), "archive"),
+    (setter("model", value={"id": "gpt-4o"}), "model"),
+    (setter("title", value=5), "title"),
+    (setter("summary", value=5), "summary"),
+    (setter("created_at", value="yesterday"), "created_at"),
+    (setter("updated_at", value=1717000000), "updated_at"),
+    (setter("settings", value="none"), "settings"),
+    (setter("current", value=3), "current"),
+    (setter("nodes", 1, "model", value=5), "nodes[1].model"),
+    (setter("nodes", 0, "created_at", value="the 29th of May"), "nodes[0].created_at"),
+    (setter("nodes", 0, "parent_id", value=0), "nodes[0].parent_id"),
+    (setter("nodes", 2, "role", value=None), "nodes[2].role"),
+    (setter("nodes", 2, "content", value=None), "nodes[2].content"),
+    (setter("nodes", 3, "id", value=4), "nodes[3].id"),
+]
+
+
+def test_the_unmutated_export_of_the_field_tests_imports():
+    (conv,) = parse_import(own_export(lambda conv: None))
+
+    assert [m["content"] for m in conv["archive"]] == ["an earlier question", "an earlier answer"]
+    assert conv["archive"][1]["model"] == "gpt-4"
+
+
+@pytest.mark.parametrize("mutate,field", BAD_FIELDS, ids=[f for _, f in BAD_FIELDS])
+def test_a_field_of_the_wrong_type_in_our_own_export_is_refused_naming_it(mutate, field):
+    with pytest.raises(Unreadable, match=rf"^conversation 1( \(“Capitals”\))?: {re.escape(field)}: "):
+        parse_import(own_export(mutate))
+
+
+async def test_an_own_export_with_a_bad_field_is_422_and_stores_nothing(client):
+    bad = own_export(setter("archive", 1, "model", value=5))
+
+    response = await client.post("/api/import", files={"file": ("export.json", bad)})
+
+    assert response.status_code == 422 and "archive[1].model: Input should be a valid string" in response.json()["detail"]
+    assert (await client.get("/api/conversations")).json() == []
+    good = await client.post("/api/import", files={"file": ("export.json", own_export(lambda conv: None))})
+    (cid,) = good.json()["imported"]
+    markdown = await client.get(f"/api/conversations/{cid}/export", params={"format": "md"})
+    assert markdown.status_code == 200 and "### Assistant · gpt-4 · " in markdown.text
