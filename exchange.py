@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import time
 import unicodedata
-from typing import Callable, Iterator, NotRequired, TypedDict
+from collections import Counter
+from datetime import datetime
+from typing import Annotated, Callable, Iterator, NotRequired, TypedDict
 from urllib.parse import quote
 
 import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 import branches
 from storage import new_id, now_iso
@@ -30,6 +33,7 @@ ROLES = ("user", "assistant")
 MAX_IMPORT_BYTES = 200 * 1024 * 1024
 MAX_CONVERSATIONS = 50_000
 MAX_NODES = 100_000  # per conversation
+MAX_SIBLINGS = 1_000  # versions of one message: answers regenerated, questions edited
 MAX_CONTENT_CHARS = 2_000_000  # per message
 MAX_TITLE_CHARS = 200
 
@@ -274,28 +278,34 @@ def build_tree(raw: dict[str, Raw], order: dict[str, list[str]], current: str | 
     check_acyclic(raw)
     fresh = {} if fresh is None else fresh
     fresh.update({old: new_id() for old, node in raw.items() if node["role"] is not None})
-
-    def kept_ancestor(old: str | None) -> str | None:  # check_acyclic made this walk finite
-        while old is not None and raw[old]["role"] is None:
-            old = raw[old]["parent"]
-        return old
-
     children: dict[str | None, list[str]] = {}
     for old in _ordered(raw, order):
         children.setdefault(raw[old]["parent"], []).append(old)
+    # The nearest kept message at or above each node, filled parents first: one step per node,
+    # where walking up from each node made long chains of left-out nodes quadratic.
+    kept_at: dict[str | None, str | None] = {None: None}
+    kept_children: Counter[str | None] = Counter()
     nodes: list[Node] = []
     stack = list(reversed(children.get(None, [])))
     while stack:
         old = stack.pop()
         node = raw[old]
-        if node["role"] is not None:
-            out: Node = {"id": fresh[old], "parent_id": fresh.get(kept_ancestor(node["parent"])),
+        above = kept_at[node["parent"]]
+        if node["role"] is None:
+            kept_at[old] = above
+        else:
+            kept_at[old] = old
+            kept_children[above] += 1
+            if kept_children[above] > MAX_SIBLINGS:
+                raise Unreadable(f"a message has over {MAX_SIBLINGS} versions side by side "
+                                 "(answers or edits of the same point)")
+            out: Node = {"id": fresh[old], "parent_id": fresh.get(above),
                          "role": node["role"], "content": node["content"], "created_at": node["created_at"]}
             if node["model"]:
                 out["model"] = node["model"]
             nodes.append(out)
         stack.extend(reversed(children.get(old, [])))
-    leaf = kept_ancestor(current) if current in raw else None
+    leaf = kept_at.get(current)
     if leaf is not None:
         return nodes, fresh[leaf]
     return nodes, (_last_leaf(nodes) if nodes else None)
@@ -479,44 +489,101 @@ def from_open_webui(item: dict) -> ImportedConversation:
     }
 
 
+def _check_time(value: str) -> str:
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError("not a time like 2024-05-29T16:26:40.122Z") from None
+    return value
+
+
+Time = Annotated[str, Field(max_length=64), AfterValidator(_check_time)]
+ModelName = Annotated[str, Field(max_length=200)]
+
+
+class _Exported(BaseModel):
+    # Strict: a number is not a string. Fields this server does not import (a message's usage,
+    # activity...) are not read, so they are not checked either.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ExportedNode(_Exported):
+    id: str = Field(min_length=1, max_length=200)
+    parent_id: str | None = None
+    role: str  # "user" and "assistant" are imported; notices and anything else are left out
+    content: str
+    created_at: Time | None = None
+    model: ModelName | None = None
+
+
+class ExportedFolded(_Exported):
+    """A message of `archive`: the same ids as its nodes, or (an older export) outside the tree."""
+
+    id: str | None = None
+    role: str
+    content: str
+    created_at: Time | None = None
+    model: ModelName | None = None
+
+
+class ExportedConversation(_Exported):
+    """One conversation of this server's export: every field it imports, type-checked, so what
+    is stored is what the rest of the server can read (a number as a folded message's `model`
+    made every Markdown export of it fail)."""
+
+    title: str | None = None
+    model: ModelName | None = None
+    created_at: Time | None = None
+    updated_at: Time | None = None
+    summary: str | None = Field(None, max_length=MAX_CONTENT_CHARS)
+    settings: dict | None = None
+    nodes: list[ExportedNode]
+    current: str | None = None
+    archive: list[ExportedFolded] | None = None
+
+
+def field_errors(exc: ValidationError) -> str:
+    """The first problems of a ValidationError, each named by its field (`nodes[3].model: ...`)."""
+    out = []
+    for error in exc.errors()[:3]:
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+        out.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(out)
+
+
 def from_own(item: dict) -> ImportedConversation:
-    nodes = item.get("nodes")
-    if not isinstance(nodes, list):
-        raise Unreadable("it has no list of messages (`nodes`)")
-    created = item.get("created_at") if isinstance(item.get("created_at"), str) else now_iso()
+    try:
+        conv = ExportedConversation.model_validate(item)
+    except ValidationError as exc:
+        raise Unreadable(field_errors(exc)) from None
+    created = conv.created_at or now_iso()
     raw: dict[str, Raw] = {}
-    for n in nodes:
-        if not (isinstance(n, dict) and isinstance(n.get("id"), str) and isinstance(n.get("content"), str)):
-            raise Unreadable("a message has no id or no text")
-        if n["id"] in raw:
+    for n in conv.nodes:
+        if n.id in raw:
             raise Unreadable("two messages share an id")
-        parent = n.get("parent_id")
-        if parent is not None and not isinstance(parent, str):
-            raise Unreadable("a message has a parent that is not an id")
-        role = n.get("role") if n.get("role") in ROLES and n["content"].strip() else None
-        raw[n["id"]] = {"parent": parent, "role": role, "content": checked_content(n["content"]) if role else "",
-                        "created_at": n.get("created_at") if isinstance(n.get("created_at"), str) else created,
-                        "model": _str(n.get("model")) if role == "assistant" else None}
-    order = {None: [n["id"] for n in nodes]}  # the file lists parents before children, siblings in order
+        role = n.role if n.role in ROLES and n.content.strip() else None
+        raw[n.id] = {"parent": n.parent_id, "role": role, "content": checked_content(n.content) if role else "",
+                     "created_at": n.created_at or created, "model": n.model if role == "assistant" else None}
+    order = {None: [n.id for n in conv.nodes]}  # the file lists parents before children, siblings in order
     fresh: dict[str, str] = {}
-    tree, leaf = build_tree(raw, order, _str(item.get("current")), fresh)
-    archived = [m for m in item.get("archive") or [] if isinstance(m, dict)]
+    tree, leaf = build_tree(raw, order, conv.current or None, fresh)
+    archived = conv.archive or []
     # An export that lists its folded messages among the nodes too says which they were by id;
     # an older one holds them only in `archive`, outside the tree.
-    folded = [fresh[m["id"]] for m in archived if isinstance(m.get("id"), str) and m["id"] in fresh]
+    folded = [fresh[m.id] for m in archived if m.id in fresh]
     archive = [] if folded else [
-        {k: m[k] for k in ("role", "content", "created_at", "model") if k in m}
-        for m in archived if m.get("role") in ROLES and isinstance(m.get("content"), str)
+        {"role": m.role, "content": checked_content(m.content), "created_at": m.created_at or created,
+         **({"model": m.model} if m.model and m.role == "assistant" else {})}
+        for m in archived if m.role in ROLES
     ]
     out: ImportedConversation = {
-        "title": clean_title(item.get("title")), "created_at": created,
-        "updated_at": item.get("updated_at") if isinstance(item.get("updated_at"), str) else created,
-        "model": _str(item.get("model")), "nodes": tree, "current": leaf,
+        "title": clean_title(conv.title), "created_at": created, "updated_at": conv.updated_at or created,
+        "model": conv.model or None, "nodes": tree, "current": leaf,
     }
     if folded:
         out["folded"] = folded
     if archive:
         out["archive"] = archive
-    if isinstance(item.get("summary"), str) and item["summary"]:
-        out["summary"] = item["summary"]
+    if conv.summary:
+        out["summary"] = conv.summary
     return out

@@ -143,17 +143,31 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
         imported = await anyio.to_thread.run_sync(exchange.parse_import, raw)
     except exchange.Unreadable as exc:
         return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
-    ids = []
+    lineup = {m.id for m in await state.lineup()}
+    ids, warnings = [], []
     for conv in imported:
-        created = await store.create(stored_conversation(conv, state, store.owner))
+        replaced = model_replaced(conv["model"], lineup, state.settings.default_model)
+        created = await store.create(stored_conversation(conv, state, store.owner, replaced))
         ids.append(created["id"])
-    return JSONResponse({"imported": ids}, status_code=201)
+        if replaced:
+            warnings.append({"id": created["id"], "code": "model_replaced", "message": replaced})
+    return JSONResponse({"imported": ids, "warnings": warnings}, status_code=201)
 
 
-def stored_conversation(conv: exchange.ImportedConversation, state, owner: str) -> dict:
+def model_replaced(model: str | None, lineup: set[str], default: str) -> str | None:
+    """What to tell the person when an imported conversation's model cannot answer here (None: it can,
+    or the file named none): only the lineup's models go upstream, so it gets the default."""
+    if model is None or model in lineup:
+        return None
+    return (f"This conversation was made with {exchange.one_line(model)[:200]}, which is not in this server's "
+            f"model lineup: it answers with {default} (change it in the model picker).")
+
+
+def stored_conversation(conv: exchange.ImportedConversation, state, owner: str, replaced: str | None = None) -> dict:
     """A new stored conversation from an imported tree, in the store's branch model (branches.py):
     the current path in `archive` (what the export said compression had folded) and `messages`,
-    every other branch in `off_path`."""
+    every other branch in `off_path`. `replaced`: the notice saying its model was replaced by the
+    default one, put at the end of the path."""
     from routes.conversations import default_settings
 
     nodes = [dict(n) for n in conv["nodes"]]
@@ -172,9 +186,13 @@ def stored_conversation(conv: exchange.ImportedConversation, state, owner: str) 
                 n["parent_id"] = previous
     on_path = {n["id"] for n in path}
     summary = conv.get("summary", "")
+    if replaced:
+        leaf = (path or archive or [{"id": None}])[-1]["id"]
+        messages = messages + [{"id": new_id(), "role": "notice", "content": replaced, "created_at": now_iso(),
+                                "parent_id": leaf}]
     return {
         "id": new_id(), "title": conv["title"], "title_source": "imported",
-        "model": conv["model"] or state.settings.default_model,
+        "model": conv["model"] if conv["model"] and not replaced else state.settings.default_model,
         "created_at": conv["created_at"], "updated_at": now_iso(),
         "settings": default_settings(state.settings, None, owner),
         "summary": summary,

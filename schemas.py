@@ -116,7 +116,7 @@ class Conversation(TypedDict):
     totals: Totals
     context: ContextBar
     streaming: bool
-    # {message id: [it and its siblings, in creation order]} for every message with siblings.
+    # {message id: [it and its siblings, in creation order]} for each message of the current path with siblings.
     branches: dict[str, list[str]]
     pinned: bool
     archived: bool

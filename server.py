@@ -104,6 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 hub = RedisTurnHub(turns, store)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub)
             turns.tool_runtime = app.state.chat.tool_runtime
+            turns.lineup = app.state.chat.lineup
             try:
                 yield
             finally:

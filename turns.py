@@ -31,7 +31,7 @@ import pii
 import titles
 import tools
 from attachments import Attachments, attachment_context, attachment_listing
-from config import Settings
+from config import ModelInfo, Settings
 from events import (
     Compressed, Event, ReasoningDelta, Reply, TextDelta, TurnDone, TurnEvent, TurnFailed, TurnStarted, TurnWarning,
     accumulate,
@@ -60,6 +60,19 @@ class NothingToAnswer(Exception):
 
 class NotAnAnswerPoint(Exception):
     """A send's `parent_id` is neither the current path's leaf nor the parent of a message the person typed on it."""
+
+
+class ModelNotInLineup(Exception):
+    """The conversation's model is not one of the lineup's, so no turn may use it."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.detail = not_in_lineup(model)
+
+
+def not_in_lineup(model: object) -> str:
+    """The 422 detail for a model id the lineup does not hold."""
+    return f"model: {model!r} is not in the model lineup (GET /api/models lists it; an admin can add models)"
 
 
 # `begin`'s parent when none is given: the leaf of the current path (a plain send).
@@ -189,6 +202,8 @@ class Turns:
         self.attachments = attachments
         # Where a model's tools run (the lineup's `tool_runtime`, custom models included).
         self.tool_runtime = tool_runtime
+        # The whole lineup, custom models included; unset, only the built-in models are usable.
+        self.lineup: Callable[[], Awaitable[list[ModelInfo]]] | None = None
         self._unlocking: set[asyncio.Future] = set()  # releases waiting for the store to come back
         # Models that must get plain-text content: configured, or learned from a refusal of the layout.
         self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
@@ -207,6 +222,8 @@ class Turns:
         lock = await store.lock_turn(conv_id)
         try:
             conv = await store.get(conv_id)
+            if not await self.in_lineup(conv["model"]):
+                raise ModelNotInLineup(conv["model"])
             previous = branches.last_node_id(conv)
             if content is None:
                 question = next((m["id"] for m in reversed(conv["messages"]) if m["role"] == "user"), None)
@@ -243,6 +260,11 @@ class Turns:
         if store.lock_renew_seconds is not None:
             turn.keeper = asyncio.ensure_future(self._keep_lock(turn, store.lock_renew_seconds))
         return turn
+
+    async def in_lineup(self, model: str) -> bool:
+        """Whether a turn may use this model: only the lineup's go upstream."""
+        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
+        return any(m.id == model for m in lineup)
 
     @staticmethod
     async def _keep_lock(turn: Turn, every: float) -> None:

@@ -25,7 +25,7 @@ from schemas import (
 )
 from storage import OwnerStore, TurnBusy, new_id, now_iso
 from streaming import TurnResponse
-from turns import LEAF, NEW_TITLE, NotAnAnswerPoint, NothingToAnswer, Turn
+from turns import LEAF, NEW_TITLE, ModelNotInLineup, NotAnAnswerPoint, NothingToAnswer, Turn, not_in_lineup
 
 router = APIRouter(prefix="/api/conversations", tags=["conversations"])
 
@@ -121,10 +121,13 @@ async def list_conversations(store: OwnerStoreDep, archived: Annotated[bool, Que
 async def create_conversation(state: StateDep, store: OwnerStoreDep,
                               body: ConversationCreate | None = None) -> Response:
     body = body or ConversationCreate()
+    model = body.model or state.settings.default_model
+    if not await state.turns.in_lineup(model):
+        return JSONResponse({"detail": not_in_lineup(model)}, status_code=422)
     created = now_iso()
     conv = await store.create({
         "id": new_id(), "title": NEW_TITLE,
-        "model": body.model or state.settings.default_model,
+        "model": model,
         "created_at": created, "updated_at": created,
         "settings": default_settings(state.settings, body.preset, store.owner),
     })
@@ -145,6 +148,8 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
         return JSONResponse({"detail": f"settings.context_budget: must be at least {reserve + MIN_PROMPT_TOKENS} "
                                        f"(the completion reserve of {reserve} tokens plus a minimal prompt)"},
                             status_code=422)
+    if body.model is not None and not await state.turns.in_lineup(body.model):
+        return JSONResponse({"detail": not_in_lineup(body.model)}, status_code=422)
     if body.settings is not None and body.settings.tools is not None:
         problem = await _unusable_tools(state, store, conv_id, body.settings)
         if problem:
@@ -214,6 +219,8 @@ async def send_message(conv_id: str, body: MessageCreate, state: StateDep, store
     except NotAnAnswerPoint:
         return JSONResponse({"detail": "parent_id: not a point of the current path to answer from (the path's "
                                        "last message, or the message before one you typed)"}, status_code=422)
+    except ModelNotInLineup as exc:
+        return JSONResponse({"detail": exc.detail}, status_code=422)
     return turn_response(state, turn)
 
 
@@ -224,6 +231,8 @@ async def regenerate(conv_id: str, state: StateDep, store: OwnerStoreDep, body: 
         turn = await state.turns.begin(store, conv_id, None)
     except NothingToAnswer:
         raise Conflict("there is no message to answer again") from None
+    except ModelNotInLineup as exc:
+        return JSONResponse({"detail": exc.detail}, status_code=422)
     return turn_response(state, turn)
 
 

@@ -1190,7 +1190,10 @@ async function importFile(file) {
       if (fraction >= 1) status.textContent = `Reading ${file.name}…`;
     });
     const n = result.imported.length;
-    status.textContent = `Imported ${n} ${n === 1 ? "conversation" : "conversations"}.`;
+    // A conversation whose model is not in the lineup now uses the default one (its notice says so).
+    const replaced = result.warnings?.filter((w) => w.code === "model_replaced").length || 0;
+    status.textContent = `Imported ${n} ${n === 1 ? "conversation" : "conversations"}.` +
+      (replaced ? ` ${replaced} now ${replaced === 1 ? "uses" : "use"} the default model: theirs is not in the lineup.` : "");
     if (state.archivedView) await showArchived(false);
     else await loadList();
   } catch (err) {

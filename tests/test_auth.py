@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import secrets
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from auth import (FAILURES_PER_ADDRESS, FAILURES_PER_USER, LOCAL_OWNER, WINDOW_S
                   current_user)
 from config import ROOT, Settings
 from server import create_app
+from simulator import Script, steps
 
 # Cheap hashes keep the tests fast; the server's default is argon2-cffi's RFC 9106 profile.
 FAST = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
@@ -514,6 +517,60 @@ async def test_the_user_command_manages_accounts_a_running_server_uses(tmp_path,
         assert run_cli(data, "passwd", "alice", stdin="a newer password\n").returncode == 0
         assert (await client.get("/api/auth/me")).status_code == 401
         assert (await log_in(client, "alice", "a newer password")).status_code == 204
-        assert run_cli(data, "remove", "alice").returncode == 0
+        assert run_cli(data, "remove", "alice", "--yes").returncode == 0
         assert (await client.get("/api/auth/me")).status_code == 401
     assert run_cli(data, "list").stdout.split()[0] == "bob"
+
+
+async def a_person_with_data(client, sim, password: str, word: str) -> dict:
+    """Log in and leave something everywhere a person's data lives; the conversation made."""
+    conv = (await client.post("/api/conversations", json={})).json()
+    await client.patch(f"/api/conversations/{conv['id']}", json={"settings": {"web_search": False, "web_fetch": False}})
+    sim.enqueue(Script(steps=[steps.Text(f"An answer about {word}.")]))
+    assert (await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": f"tell me of {word}"})).status_code == 200
+    uploaded = await client.post(f"/api/conversations/{conv['id']}/attachments",
+                                 files={"file": ("notes.txt", f"{word} notes".encode(), "text/plain")})
+    assert uploaded.status_code == 201, uploaded.text
+    assert (await client.post("/api/library", files={"file": ("lib.txt", b"library text", "text/plain")})).status_code == 201
+    assert (await client.put("/api/memory", json={"text": f"- likes {word}\n"})).status_code == 200
+    preset = await client.post("/api/presets", json={"name": f"{word}-helper", "text": "Be brief.", "tools": []})
+    assert preset.status_code == 201, preset.text
+    assert (await client.get("/api/search", params={"q": word})).json()
+    return conv
+
+
+def index_rows(data: Path, owner: str) -> int:
+    with contextlib.closing(sqlite3.connect(data / "search.sqlite3")) as db:
+        return sum(db.execute(f"SELECT count(*) FROM {table} WHERE owner = ?", (owner,)).fetchone()[0]
+                   for table in ("convs", "docs"))
+
+
+async def test_user_remove_removes_the_persons_data_once_confirmed(server, sim, tmp_path):
+    # It used to drop the account only: conversations, files, memory and presets stayed on disk.
+    data = server.settings.data_dir
+    owners = {u["name"]: u["owner"] for u in UserFile(data).load()["users"]}
+    async with server.client() as alice, server.client() as bob:
+        assert (await log_in(alice, "alice", A_PASSWORD)).status_code == 204
+        assert (await log_in(bob, "bob", B_PASSWORD)).status_code == 204
+        kept = await a_person_with_data(alice, sim, A_PASSWORD, "zanzibar")
+        gone = await a_person_with_data(bob, sim, B_PASSWORD, "madagascar")
+        bobs_files = [data / "conversations" / f"{gone['id']}.json", data / "attachments" / gone["id"],
+                      data / "attachments" / "library" / owners["bob"], data / "users" / owners["bob"]]
+        assert all(p.exists() for p in bobs_files) and index_rows(data, owners["bob"]) > 0
+
+        unconfirmed = run_cli(data, "remove", "bob")
+
+        assert unconfirmed.returncode == 1 and "nothing removed" in unconfirmed.stderr
+        assert all(p.exists() for p in bobs_files) and UserFile(data).find("bob") is not None
+
+        removed = run_cli(data, "remove", "bob", "--yes")
+
+        assert removed.returncode == 0, removed.stderr
+        assert "removed bob and their data: 1 conversations" in removed.stdout
+        assert not any(p.exists() for p in bobs_files) and index_rows(data, owners["bob"]) == 0
+        assert UserFile(data).find("bob") is None
+        assert (await bob.get("/api/auth/me")).status_code == 401
+        # Everyone else's data is as it was.
+        assert (await alice.get(f"/api/conversations/{kept['id']}")).status_code == 200
+        assert (data / "attachments" / kept["id"]).exists() and (data / "memory.md").read_text() == "- likes zanzibar\n"
+        assert index_rows(data, owners["alice"]) > 0

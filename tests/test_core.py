@@ -327,6 +327,35 @@ async def test_models_lineup_and_custom_models(client, app):
     assert (await client.delete("/api/models/openai/gpt-5")).status_code == 400
 
 
+async def test_a_turn_may_use_only_a_model_of_the_lineup(api, client, sim):
+    # Any id used to go upstream as is: on the person's gateway key, whatever the admin allowed.
+    for body in ({"model": "vendor/not-listed"}, {"model": "gpt-4o"}):
+        refused = await client.post("/api/conversations", json=body)
+        assert refused.status_code == 422 and repr(body["model"]) in refused.json()["detail"]
+    assert (await client.get("/api/conversations")).json() == []
+    assert (await client.post("/api/models", json={"id": "vendor/for-a-while", "tier": "fast"})).status_code == 201
+    conv = await api.new(model="vendor/for-a-while")
+    await api.patch(conv["id"], settings={"web_search": False, "web_fetch": False})
+    sim.enqueue(Script(steps=[steps.Text("Fine.")]))
+    await api.send(conv["id"], "hello")
+    patched = await client.patch(f"/api/conversations/{conv['id']}", json={"model": "vendor/not-listed"})
+    assert patched.status_code == 422 and "'vendor/not-listed' is not in the model lineup" in patched.json()["detail"]
+    before = await api.get(conv["id"])
+    assert before["model"] == "vendor/for-a-while"
+
+    assert (await client.delete("/api/models/vendor/for-a-while")).status_code == 204
+    sent = await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": "again"})
+    again = await client.post(f"/api/conversations/{conv['id']}/regenerate", json={})
+
+    for response in (sent, again):
+        assert response.status_code == 422 and "'vendor/for-a-while' is not in" in response.json()["detail"]
+    assert len(chat_requests(sim)) == 1 and (await api.get(conv["id"]))["messages"] == before["messages"]
+    await api.patch(conv["id"], model="openai/gpt-5")
+    sim.enqueue(Script(steps=[steps.Text("Back.")]))
+    assert names(await api.send(conv["id"], "again"))[-1] == "done"
+    assert chat_requests(sim)[-1].body["model"] == "openai/gpt-5"
+
+
 async def test_memory_and_presets(client, app):
     assert (await client.put("/api/memory", json={"text": "- prefers Python\n"})).json() == {"text": "- prefers Python\n"}
     assert app.state.chat.store.memory_path("local").read_text() == "- prefers Python\n"

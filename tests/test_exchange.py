@@ -4,6 +4,7 @@ exports as trees, the round trip through our own format, and files that cannot b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import orjson
@@ -160,7 +161,7 @@ UNREADABLE = [
     (b"[]", "no conversations"),
     (b'[{"title": "x"}]', "not a ChatGPT, Open WebUI or chat-server export"),
     (b'{"format": "chat-server-export", "version": 99, "conversations": []}', "version 99"),
-    (b'{"format": "chat-server-export", "version": 1, "conversations": [{"nodes": "x"}]}', "no list of messages"),
+    (b'{"format": "chat-server-export", "version": 1, "conversations": [{"nodes": "x"}]}', "nodes: Input should be a valid list"),
     (chatgpt_with(cycle), "cycle"),
     (chatgpt_with(missing_parent), "not in the file"),
     (chatgpt_with(mapping_not_object), "no `mapping`"),
@@ -297,5 +298,191 @@ async def test_the_import_route_stores_every_conversation_or_none(client):
     ids = accepted.json()["imported"]
     assert len(ids) == 2
     stored = (await client.get(f"/api/conversations/{ids[0]}")).json()
-    assert [m["content"] for m in stored["messages"]][-1] == "Rome is the capital of Italy."
-    assert stored["title"] == "Capitals" and len(stored["branches"]) == 2
+    assert [m["content"] for m in stored["messages"] if m["role"] != "notice"][-1] == "Rome is the capital of Italy."
+    assert stored["title"] == "Capitals" and len(stored["branches"]) == 1  # the Italy question, on the path
+
+
+# --- sizes that must stay linear (issue 21) -------------------------------------------------------
+
+def chatgpt_node(parent: str | None, role: str, text: str) -> dict:
+    return {"parent": parent, "children": [],
+            "message": {"author": {"role": role}, "content": {"content_type": "text", "parts": [text]}}}
+
+
+def chatgpt_file(mapping: dict, current: str | None = None) -> bytes:
+    return orjson.dumps([{"title": "Many versions", "mapping": mapping, "current_node": current}])
+
+
+def answered_levels(levels: int, answers: int) -> tuple[dict, str]:
+    """`levels` questions, each answered `answers` times; the next question follows the last answer."""
+    mapping, parent = {}, None
+    for level in range(levels):
+        question = f"q{level}"
+        mapping[question] = chatgpt_node(parent, "user", f"question {level}")
+        for k in range(answers):
+            mapping[f"a{level}-{k}"] = chatgpt_node(question, "assistant", f"answer {level}.{k}")
+        parent = f"a{level}-{answers - 1}"
+    return mapping, parent
+
+
+class CountingRaw(dict):
+    """The source nodes handed to `build_tree`, counting how often it reads one."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        return super().__getitem__(key)
+
+
+def test_a_long_chain_of_left_out_messages_is_read_a_few_times_per_node_not_once_per_step():
+    # Tool calls, reasoning and hidden system messages are left out and their children hang from
+    # the nearest kept message: each answer below a chain used to walk the whole chain up.
+    chain, answers = 5_000, exchange.MAX_SIBLINGS
+    raw = CountingRaw(q={"parent": None, "role": "user", "content": "q", "created_at": "t", "model": None})
+    parent = "q"
+    for i in range(chain):
+        raw[f"h{i}"] = {"parent": parent, "role": None, "content": "", "created_at": "t", "model": None}
+        parent = f"h{i}"
+    for k in range(answers):
+        raw[f"a{k}"] = {"parent": parent, "role": "assistant", "content": f"a{k}", "created_at": "t", "model": None}
+
+    nodes, current = exchange.build_tree(raw, {}, "a0")
+
+    assert len(nodes) == 1 + answers and {n["parent_id"] for n in nodes[1:]} == {nodes[0]["id"]}
+    assert current == nodes[1]["id"]
+    assert raw.reads <= 4 * len(raw)  # walking up from every answer read it 10 million times
+
+
+def test_an_import_with_more_versions_of_a_message_than_the_cap_is_refused():
+    mapping, _ = answered_levels(1, 20_000)  # the attack: 20,000 answers to one question
+
+    with pytest.raises(Unreadable, match=f"over {exchange.MAX_SIBLINGS} versions"):
+        parse_import(chatgpt_file(mapping))
+
+
+async def test_an_import_of_20000_sibling_answers_answers_a_get_of_a_few_megabytes(client):
+    # 20 questions answered 1,000 times each: listing every sibling's group made this 500 MB.
+    mapping, last = answered_levels(20, exchange.MAX_SIBLINGS)
+    imported = await client.post("/api/import", files={"file": ("conversations.json", chatgpt_file(mapping, last))})
+    assert imported.status_code == 201, imported.text
+
+    response = await client.get(f"/api/conversations/{imported.json()['imported'][0]}")
+
+    assert response.status_code == 200 and len(response.content) < 3 * 2**20
+    conv = response.json()
+    assert len(conv["messages"]) == 40 and set(conv["branches"]) == {m["id"] for m in conv["messages"][1::2]}
+    assert all(len(group) == exchange.MAX_SIBLINGS for group in conv["branches"].values())
+
+
+async def test_a_refused_import_stores_nothing(client):
+    mapping, _ = answered_levels(1, exchange.MAX_SIBLINGS + 1)
+
+    response = await client.post("/api/import", files={"file": ("conversations.json", chatgpt_file(mapping))})
+
+    assert response.status_code == 422 and f"over {exchange.MAX_SIBLINGS} versions" in response.json()["detail"]
+    assert (await client.get("/api/conversations")).json() == []
+
+
+# --- models from the lineup only (issue 21) ---------------------------------------------------------
+
+async def test_an_import_whose_model_is_not_in_the_lineup_uses_the_default_and_says_so(client, sim, settings):
+    response = await client.post("/api/import", files={"file": ("x.json", fixture("chatgpt_conversations.json"))})
+
+    assert response.status_code == 201
+    ids, warnings = response.json()["imported"], response.json()["warnings"]
+    assert [(w["id"], w["code"]) for w in warnings] == [(ids[0], "model_replaced"), (ids[1], "model_replaced")]
+    assert "gpt-4o" in warnings[0]["message"] and settings.default_model in warnings[0]["message"]
+    capitals = (await client.get(f"/api/conversations/{ids[0]}")).json()
+    assert capitals["model"] == settings.default_model
+    notice = capitals["messages"][-1]
+    assert (notice["role"], notice["content"]) == ("notice", warnings[0]["message"])
+    assert notice["parent_id"] == capitals["messages"][-2]["id"]
+    await client.patch(f"/api/conversations/{ids[0]}", json={"settings": {"web_search": False, "web_fetch": False}})
+    sim.enqueue(Script(steps=[steps.Text("Madrid.")]))
+    sent = await client.post(f"/api/conversations/{ids[0]}/messages", json={"content": "And of Spain?"})
+    assert sent.status_code == 200
+    body = [r.body for r in sim.requests if r.body.get("stream")][-1]
+    assert body["model"] == settings.default_model  # never "gpt-4o" as the file said
+    assert [m["role"] for m in body["messages"] if m["role"] != "system"] == ["user", "assistant"] * 2 + ["user"]
+
+
+async def test_an_import_whose_model_is_in_the_lineup_keeps_it_without_a_word(client):
+    data = json.loads(fixture("chatgpt_conversations.json"))
+    for item in data:
+        item["default_model_slug"] = "anthropic/claude-sonnet-4.5"
+
+    response = await client.post("/api/import", files={"file": ("x.json", orjson.dumps(data))})
+
+    assert response.status_code == 201 and response.json()["warnings"] == []
+    stored = (await client.get(f"/api/conversations/{response.json()['imported'][0]}")).json()
+    assert stored["model"] == "anthropic/claude-sonnet-4.5" and stored["messages"][-1]["role"] == "assistant"
+
+
+# --- this server's own export: every imported field is type-checked (issue 21) ---------------------
+
+def own_export(mutate) -> bytes:
+    """A real export of the ChatGPT fixture's first conversation, with an older export's `archive`, changed by `mutate`."""
+    (capitals, _) = parse_import(fixture("chatgpt_conversations.json"))
+    envelope = json.loads(exchange.export_json([stored_from(capitals)]))
+    envelope["conversations"][0]["archive"] = [
+        {"role": "user", "content": "an earlier question", "created_at": "2024-05-01T10:00:00.000Z"},
+        {"role": "assistant", "content": "an earlier answer", "model": "gpt-4", "created_at": "2024-05-01T10:00:01.000Z"}]
+    mutate(envelope["conversations"][0])
+    return orjson.dumps(envelope)
+
+
+def setter(*path, value):
+    def mutate(conv: dict) -> None:
+        target = conv
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+BAD_FIELDS = [
+    (setter("archive", 1, "model", value=5), "archive[1].model"),  # made every Markdown export of it a 500
+    (setter("archive", 0, "created_at", value=7), "archive[0].created_at"),
+    (setter("archive", 0, "content", value=["x"]), "archive[0].content"),
+    (setter("archive", value="folded"), "archive"),
+    (setter("model", value={"id": "gpt-4o"}), "model"),
+    (setter("title", value=5), "title"),
+    (setter("summary", value=5), "summary"),
+    (setter("created_at", value="yesterday"), "created_at"),
+    (setter("updated_at", value=1717000000), "updated_at"),
+    (setter("settings", value="none"), "settings"),
+    (setter("current", value=3), "current"),
+    (setter("nodes", 1, "model", value=5), "nodes[1].model"),
+    (setter("nodes", 0, "created_at", value="the 29th of May"), "nodes[0].created_at"),
+    (setter("nodes", 0, "parent_id", value=0), "nodes[0].parent_id"),
+    (setter("nodes", 2, "role", value=None), "nodes[2].role"),
+    (setter("nodes", 2, "content", value=None), "nodes[2].content"),
+    (setter("nodes", 3, "id", value=4), "nodes[3].id"),
+]
+
+
+def test_the_unmutated_export_of_the_field_tests_imports():
+    (conv,) = parse_import(own_export(lambda conv: None))
+
+    assert [m["content"] for m in conv["archive"]] == ["an earlier question", "an earlier answer"]
+    assert conv["archive"][1]["model"] == "gpt-4"
+
+
+@pytest.mark.parametrize("mutate,field", BAD_FIELDS, ids=[f for _, f in BAD_FIELDS])
+def test_a_field_of_the_wrong_type_in_our_own_export_is_refused_naming_it(mutate, field):
+    with pytest.raises(Unreadable, match=rf"^conversation 1( \(“Capitals”\))?: {re.escape(field)}: "):
+        parse_import(own_export(mutate))
+
+
+async def test_an_own_export_with_a_bad_field_is_422_and_stores_nothing(client):
+    bad = own_export(setter("archive", 1, "model", value=5))
+
+    response = await client.post("/api/import", files={"file": ("export.json", bad)})
+
+    assert response.status_code == 422 and "archive[1].model: Input should be a valid string" in response.json()["detail"]
+    assert (await client.get("/api/conversations")).json() == []
+    good = await client.post("/api/import", files={"file": ("export.json", own_export(lambda conv: None))})
+    (cid,) = good.json()["imported"]
+    markdown = await client.get(f"/api/conversations/{cid}/export", params={"format": "md"})
+    assert markdown.status_code == 200 and "### Assistant · gpt-4 · " in markdown.text

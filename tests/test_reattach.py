@@ -426,8 +426,8 @@ async def test_a_new_turn_settles_a_reply_a_dead_process_left_streaming_on_a_sha
     tell that the reply left streaming is nobody's."""
     store = RedisStore(redis_server.url, prefix=unique_prefix())
     mine = store.for_owner("local")
-    conv = await mine.create(with_checkpoint({"id": new_id(), "title": "t", "model": "m", "created_at": now_iso(),
-                                              "updated_at": now_iso(), "settings": {}}))
+    conv = await mine.create(with_checkpoint({"id": new_id(), "title": "t", "model": settings.default_model,
+                                              "created_at": now_iso(), "updated_at": now_iso(), "settings": {}}))
     turns = Turns(settings, gateway=None)
 
     turn = await turns.begin(mine, conv["id"], "go on")
