@@ -119,6 +119,8 @@ class Settings(BaseSettings):
     conversation_ttl_days: float | None = Field(None, gt=0)
     # STORE=redis: a turn lock its process stopped renewing (it died) frees the conversation this soon.
     turn_lock_seconds: float = Field(30.0, ge=0.3)
+    # STORE=redis: a running turn's heartbeat; three missed and other servers end its followers as interrupted.
+    heartbeat_seconds: float = Field(1.0, ge=0.1, le=60)
 
     auth: Literal["none", "password", "header"] = "none"
     auth_header: str = "X-Forwarded-User"

@@ -13,6 +13,10 @@ Layout, all keys under one prefix (`chat:` by default):
 - `lock:<id>` the turn lock (`<fence>:<token>`, SET NX PX, renewed by the running turn) and
   `fence:<id>` a counter bumped by every lock and unlock: a write carrying a lock whose fence is
   not the current one is refused (LockLost), so a paused process never overwrites a newer turn.
+- `beat:<id>` the running turn's heartbeat beside its lock, set again with every renewal (each
+  HEARTBEAT_SECONDS) and gone MISSED_BEATS beats after the last: a lock without it belongs to a
+  process that stopped answering, so the turn reads as not running and the next turn takes the
+  lock over (its new fence refuses the silent process's writes, should it wake).
 - `memory:<owner>`, `models`, and `kv:<key>` (small JSON values for other modules: accounts, sessions).
 - `stop:<id>` a pub/sub channel: Stop from any process reaches the process running the turn.
 - `events:<id>` a stream of the running turn's events (ids `0-<seq>`), so a re-attach on any
@@ -70,6 +74,8 @@ MAX_ATTEMPTS = 50
 RECHECK = SEGMENT_MESSAGES  # the newest stored items a write checks for edits in place
 CACHED_CONVERSATIONS = 1000
 EVENTS_TTL_MS = 3_600_000  # a turn's event stream outlives its latest event by this much at most
+# Heartbeats a running turn may miss before other processes take its process for dead.
+MISSED_BEATS = 3
 SUBSCRIBE_TIMEOUT = 3.0  # seconds a turn waits for the stop subscription before calling Redis unreachable
 RESUBSCRIBE_DELAY = 0.1
 
@@ -146,36 +152,41 @@ end
 return out
 """
 
-# KEYS: conv hash, messages, archive, fence, lock, owner index. ARGV: owner, conv id.
+# KEYS: conv hash, messages, archive, fence, lock, owner index, beat. ARGV: owner, conv id.
 DELETE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -2 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
 redis.call('ZREM', KEYS[6], ARGV[2])
 return 1
 """
 
-# KEYS: conv hash, lock, fence. ARGV: owner, token, ttl ms. Answers the new fence.
+# KEYS: conv hash, lock, fence, beat. ARGV: owner, token, ttl ms, beat ttl ms. Answers the new fence.
+# A lock whose heartbeat stopped is taken over: the new fence makes the silent turn's writes stale.
 LOCK = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -2 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return -4 end
+if redis.call('EXISTS', KEYS[2], KEYS[4]) == 2 then return -4 end
 local fence = redis.call('INCR', KEYS[3])
 local ttl = redis.call('PTTL', KEYS[1])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
-redis.call('SET', KEYS[2], fence .. ':' .. ARGV[2], 'PX', ARGV[3])
+local value = fence .. ':' .. ARGV[2]
+redis.call('SET', KEYS[2], value, 'PX', ARGV[3])
+redis.call('SET', KEYS[4], value, 'PX', ARGV[4])
 return fence
 """
 
-# KEYS: lock, fence. ARGV: the lock's value. Bumping the fence makes the released lock stale.
+# KEYS: lock, fence, beat. ARGV: the lock's value. Bumping the fence makes the released lock stale.
 UNLOCK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[3])
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCR', KEYS[2]) end
 return 1
 """
 
-# KEYS: lock. ARGV: the lock's value, ttl ms.
+# KEYS: lock, beat. ARGV: the lock's value, ttl ms, beat ttl ms. A beat that lapsed while Redis was
+# away comes back with the next renewal, unless another turn took the lock meanwhile.
 RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
@@ -256,14 +267,18 @@ class RedisStore:
 
     `ttl_seconds` (CONVERSATION_TTL_DAYS × 86400): a conversation not written that long expires.
     `lock_ttl_ms`: a turn lock not renewed (`renew_turn`) that long is free again.
+    `heartbeat_seconds`: how often a running turn beats; MISSED_BEATS beats missed and it no longer runs.
     """
 
     def __init__(self, url: str, *, prefix: str = "chat:", ttl_seconds: float | None = None,
-                 lock_ttl_ms: int = 30_000) -> None:
+                 lock_ttl_ms: int = 30_000, heartbeat_seconds: float = 1.0) -> None:
         self.url = url
         self.prefix = prefix
         self.ttl_ms = int(ttl_seconds * 1000) if ttl_seconds else 0
         self.lock_ttl_ms = lock_ttl_ms
+        # A renewal is also the beat: as often as the heartbeat, and three times per lock expiry at least.
+        self.renew_seconds = min(heartbeat_seconds, lock_ttl_ms / 3000)
+        self.beat_ttl_ms = max(1, int(heartbeat_seconds * MISSED_BEATS * 1000))
         parts = urlsplit(url)
         # Never echo a password into an error message or a log.
         self.where = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
@@ -302,6 +317,13 @@ class RedisStore:
 
     def lock_key(self, conv_id: str) -> str:
         return f"{self.prefix}lock:{conv_id}"
+
+    def beat_key(self, conv_id: str) -> str:
+        return f"{self.prefix}beat:{conv_id}"
+
+    def _turn_keys(self, conv_id: str) -> tuple[str, str]:
+        """The keys that both exist while a turn runs: its lock and its heartbeat."""
+        return self.lock_key(conv_id), self.beat_key(conv_id)
 
     def memory_key(self, owner: str) -> str:
         return f"{self.prefix}memory:{owner}"
@@ -586,21 +608,33 @@ class RedisStore:
             return bool(await self.redis.xread({self.events_key(conv_id): f"0-{after}"}, count=1, block=block_ms))
 
     async def turn_state(self, conv_id: str) -> tuple[bool, TurnTail | None]:
-        """Whether a turn holds `conv_id`'s lock, and the latest event kept of its turns (one round trip)."""
+        """Whether a live turn holds `conv_id`'s lock, and the latest event kept of its turns (one round trip)."""
         with self.reachable():
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.exists(self.lock_key(conv_id))
+                pipe.exists(*self._turn_keys(conv_id))
                 pipe.xrevrange(self.events_key(conv_id), count=1)
-                locked, top = await pipe.execute()
+                held, top = await pipe.execute()
+        locked = held == 2
         if not top:
-            return bool(locked), None
+            return locked, None
         entry_id, fields = top[0]
-        return bool(locked), TurnTail(int(entry_id.split(b"-")[1]), fields[b"t"].decode(), fields[b"last"] == b"1")
+        return locked, TurnTail(int(entry_id.split(b"-")[1]), fields[b"t"].decode(), fields[b"last"] == b"1")
 
     async def turn_locked(self, conv_id: str) -> bool:
-        """Whether a turn (of any owner, in any process) holds `conv_id` now."""
+        """Whether a turn (of any owner, in any process) holds `conv_id` now and its process still beats."""
         with self.reachable():
-            return bool(await self.redis.exists(self.lock_key(conv_id)))
+            return await self.redis.exists(*self._turn_keys(conv_id)) == 2
+
+    async def stored_reply(self, conv_id: str, message_id: str) -> dict | None:
+        """Message `message_id` as its owner reads it (a dead turn's checkpoint reads interrupted), or None."""
+        with self.reachable():
+            owner = await self.redis.hget(self.conv_key(conv_id), "owner")
+        if owner is None:
+            return None
+        with suppress(NotFound):
+            conv = await self.for_owner(owner.decode()).get(conv_id)
+            return next((m for m in reversed(conv["messages"]) if m["id"] == message_id), None)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -695,8 +729,7 @@ class RedisOwnerStore:
     def __init__(self, store: RedisStore, owner: str) -> None:
         self.store = store
         self.owner = owner
-        # A running turn renews its lock three times per expiry, so one slow renewal never loses it.
-        self.lock_renew_seconds = store.lock_ttl_ms / 3000
+        self.lock_renew_seconds = store.renew_seconds
 
     async def create(self, conv: dict) -> dict:
         conv = upgrade({**conv, "owner": self.owner})
@@ -707,7 +740,7 @@ class RedisOwnerStore:
     async def get(self, conv_id: str) -> dict:
         """The conversation; a reply left `streaming` while no turn holds the lock reads `interrupted`.
 
-        Such a reply is the last checkpoint of a process that died mid-turn (its lock expired). It
+        Such a reply is the last checkpoint of a process that died mid-turn (its heartbeat stopped). It
         is recovered in the copy answered, not in Redis: the next turn's opening write stores it so.
         """
         conv = await self.store.load(conv_id, self.owner)
@@ -753,7 +786,8 @@ class RedisOwnerStore:
         if not valid_id(conv_id):
             raise NotFound(conv_id)
         s = self.store
-        keys = [*s._conv_keys(conv_id), s.fence_key(conv_id), s.lock_key(conv_id), s.index_key(self.owner)]
+        keys = [*s._conv_keys(conv_id), s.fence_key(conv_id), s.lock_key(conv_id), s.index_key(self.owner),
+                s.beat_key(conv_id)]
         with s.reachable():
             done = await s._delete(keys=keys, args=[self.owner, conv_id])
         s._cache.pop(conv_id, None)
@@ -775,8 +809,9 @@ class RedisOwnerStore:
         s = self.store
         token = new_id()
         with s.reachable():
-            fence = await s._lock(keys=[s.conv_key(conv_id), s.lock_key(conv_id), s.fence_key(conv_id)],
-                                  args=[self.owner, token, s.lock_ttl_ms])
+            fence = await s._lock(keys=[s.conv_key(conv_id), s.lock_key(conv_id), s.fence_key(conv_id),
+                                        s.beat_key(conv_id)],
+                                  args=[self.owner, token, s.lock_ttl_ms, s.beat_ttl_ms])
         if fence == GONE:
             raise NotFound(conv_id)
         if fence == BUSY:
@@ -789,14 +824,16 @@ class RedisOwnerStore:
             return False
         s = self.store
         with s.reachable():
-            return bool(await s._renew(keys=[s.lock_key(lock.conv_id)], args=[lock.value, s.lock_ttl_ms]))
+            return bool(await s._renew(keys=list(s._turn_keys(lock.conv_id)),
+                                       args=[lock.value, s.lock_ttl_ms, s.beat_ttl_ms]))
 
     async def unlock_turn(self, lock: TurnLock) -> None:
         if not isinstance(lock, FencedTurnLock):
             return
         s = self.store
         with s.reachable():
-            await s._unlock(keys=[s.lock_key(lock.conv_id), s.fence_key(lock.conv_id)], args=[lock.value])
+            await s._unlock(keys=[s.lock_key(lock.conv_id), s.fence_key(lock.conv_id), s.beat_key(lock.conv_id)],
+                            args=[lock.value])
 
     async def turn_locked(self, conv_id: str) -> bool:
         """Whether a turn holds this owner's conversation; another owner's id is NotFound, like an unknown one."""
@@ -805,8 +842,8 @@ class RedisOwnerStore:
         with self.store.reachable():
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.hget(self.store.conv_key(conv_id), "owner")
-                pipe.exists(self.store.lock_key(conv_id))
-                owner, locked = await pipe.execute()
+                pipe.exists(*self.store._turn_keys(conv_id))
+                owner, held = await pipe.execute()
         if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != self.owner:
             raise NotFound(conv_id)
-        return bool(locked)
+        return held == 2

@@ -12,9 +12,11 @@ event 1 without a round trip). On top of it:
   that asked answers once the turn has let go (bounded by STOP_WAIT), its reply saved by then;
 - `info` reads the lock and the latest event kept in Redis for a turn running elsewhere.
 
-A process that dies mid-turn leaves its events without a last one: a follower elsewhere ends once
-the dead turn's lock expires (it asks whenever a wait brings nothing), and the store reads its
-last checkpoint as interrupted (`RedisOwnerStore.get`).
+A process that dies mid-turn leaves its events without a last one, and its heartbeat beside the
+lock stops: once MISSED_BEATS beats are missed the turn no longer runs for anyone. A follower
+elsewhere (it asks whenever a wait brings nothing) then ends with a `done` of status `interrupted`,
+Stop answers at once, the list shows no stream, the next turn takes the lock over, and the store
+reads the last checkpoint as interrupted (`RedisOwnerStore.get`).
 
 This module knows the hub protocol and the store's turn-event calls, not HTTP or wire formats.
 """
@@ -28,7 +30,8 @@ from collections.abc import AsyncIterator
 
 from redis_store import RedisStore
 from storage import StoreUnavailable
-from turn_hub import KEEP_AFTER_END, STOP_WAIT, LocalTurnHub, RunningTurn
+from streaming import encode
+from turn_hub import KEEP_AFTER_END, STOP_WAIT, LocalTurnHub, RunningTurn, interrupted_done
 from turns import Turn, Turns
 
 log = logging.getLogger("chat.redis_turn_hub")
@@ -78,11 +81,19 @@ class RedisTurnHub:
         async def still_running() -> bool:
             return await self.store.turn_locked(conv_id)
 
+        seq = after
         async with contextlib.aclosing(self.store.read_turn_events(
                 conv_id, after, turn_id=turn_id, still_running=still_running)) as events:
-            async for _, frame in events:
+            async for seq, frame in events:
                 if frame:  # an empty last event only marks the end of a turn that ended without one
                     yield frame
+        locked, tail = await self.store.turn_state(conv_id)
+        if not locked and tail is not None and tail.turn_id == turn_id and not tail.last:
+            # Its process stopped beating before the last event: end the stream as a Stop would.
+            log.warning("the turn on %s stopped beating; its followers end it as interrupted", conv_id)
+            stored = await self.store.stored_reply(conv_id, turn_id)
+            if (frame := encode(interrupted_done(turn_id, stored), max(seq, tail.seq) + 1)) is not None:
+                yield frame
 
     async def stop(self, conv_id: str) -> None:
         if self.local.running(conv_id) is not None:

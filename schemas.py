@@ -85,6 +85,11 @@ class Totals(TypedDict):
     compression_calls: int
     title_cost: float
     title_calls: int
+    # The summarizer's tokens apart; absent from conversations whose calls predate them.
+    title_input_tokens: NotRequired[int]
+    title_output_tokens: NotRequired[int]
+    compression_input_tokens: NotRequired[int]
+    compression_output_tokens: NotRequired[int]
 
 
 class ContextBar(TypedDict):

@@ -41,7 +41,8 @@ def make_store(settings: Settings) -> Store:
         from redis_store import RedisStore
 
         ttl = settings.conversation_ttl_days * 86_400 if settings.conversation_ttl_days else None
-        return RedisStore(settings.redis_url, ttl_seconds=ttl, lock_ttl_ms=int(settings.turn_lock_seconds * 1000))
+        return RedisStore(settings.redis_url, ttl_seconds=ttl, lock_ttl_ms=int(settings.turn_lock_seconds * 1000),
+                          heartbeat_seconds=settings.heartbeat_seconds)
     return FileStore(settings.data_dir)
 
 

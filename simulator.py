@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import random
 import re
 import secrets
 import socket
@@ -1030,6 +1031,8 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
 
 # --- Demo replies -----------------------------------------------------------------------------
 
+DEMO_TAKES_KEPT = 10_000  # repeated-request counts kept for varying regenerated replies
+
 _DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
 _TRANSCRIPT_LINE = re.compile(r"^\W*(user|assistant)\W*\s*:\s*(.+)$", re.I | re.M)
 
@@ -1119,20 +1122,55 @@ def _demo_description(path: str, body: Mapping, account: CacheAccount, min_token
     return "\n".join(lines) + "\n"
 
 
+# A demo reply asked to be long streams this long, so Stop, reload and switching can be tried on it.
+LONG_REPLY_SECONDS = 18.0
+_LONG = re.compile(r"\blong\b", re.I)
+_STORY_PEOPLE = ("a lighthouse keeper", "a retired cartographer", "two sisters", "a night-train conductor",
+                 "a beekeeper", "a clockmaker's apprentice")
+_STORY_PLACES = ("a harbour town", "a valley of orchards", "an island of salt flats", "a city of bridges",
+                 "a mountain village", "a desert observatory")
+_STORY_TURNS = ("found a letter that had never been sent", "heard the bells ring at the wrong hour",
+                "followed a map drawn in pencil", "waited out a storm that lasted a week",
+                "mended something nobody else would touch", "counted the boats that did not come back")
+# Said first in a repeated request's reply (a regenerate), so each take reads differently.
+_TAKES = ("Here is another take on the same request.", "A different wording this time, same canned substance.",
+          "Take three: the demo shuffles its wording so regenerated replies can be told apart.",
+          "Once more, with the paragraphs in a new order.")
+
+
+def _demo_story(take: int) -> Script:
+    """A long simulated story streamed over LONG_REPLY_SECONDS, different on every take."""
+    rng = random.Random(take)
+    paragraphs = ["> **SIMULATED long reply.** The demo gateway streams this made-up story slowly "
+                  f"(about {LONG_REPLY_SECONDS:.0f} s) so Stop, reload and switching conversations can be tried.\n\n"]
+    for n in range(1, 13):
+        who, where, what = rng.choice(_STORY_PEOPLE), rng.choice(_STORY_PLACES), rng.choice(_STORY_TURNS)
+        paragraphs.append(f"**{n}.** In {where} lived {who}, who one morning {what}. Nobody in {where} "
+                          f"could say why, and {who} did not explain; the days went on, a little changed.\n\n")
+    steps_ = [Text(p) for p in paragraphs]
+    chunks = sum(-(-len(p.split()) // 3) for p in paragraphs)
+    return Script(steps_, chunk_delay=LONG_REPLY_SECONDS / chunks)
+
+
 def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_models: Iterable[str],
-                 min_tokens: int) -> Script:
-    """The honest canned reply for an unscripted request."""
+                 min_tokens: int, take: int = 1) -> Script:
+    """The honest canned reply for an unscripted request; `take`: how often this same request came."""
     messages = body.get("messages", [])
     if not body.get("stream"):
         if (title := _demo_title(messages)) is not None:
             return Script([Text(title)])
         return Script([Text(orjson.dumps({"summary": _demo_summary(messages), "facts": []}).decode())])
+    last_user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), {})
+    client_tools = _client_tool_names(body)
+    if _LONG.search(_text_of(last_user.get("content"))) and not (client_tools and _tool_results(messages)):
+        return _demo_story(take)
     reply: list[Step] = []
+    if take > 1:
+        reply.append(Text(f"_{_TAKES[(take - 2) % len(_TAKES)]} (take {take})_\n\n"))
     if body.get("model") in reasoning_models:
         reply.append(Reasoning(
             f"Simulated reasoning: there is no model behind the demo gateway, so nothing is being thought "
             f"about. The server sent {len(messages)} message(s) to `{body.get('model')}`; the reply describes them."))
-    client_tools = _client_tool_names(body)
     if client_tools and (results := _tool_results(messages)):
         reply.append(Text(_demo_after_tools(results)))
         reply.append(Text(_demo_description(path, body, account, min_tokens), chunk_size=4))
@@ -1161,6 +1199,7 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
 _URL = re.compile(r"https?://[^\s<>\"'`)\]]+")
 _REMEMBER = re.compile(r"\bremember\b(?:\s+that)?[\s:,]+(.+)", re.I)
 _SEARCH = re.compile(r"^\s*search(?:\s+the\s+web)?(?:\s+for)?[\s:,]+(.+)", re.I)
+_ABOUT_FILES = re.compile(r"\b(files?|attach\w*|documents?|pdfs?|docx?|uploads?|uploaded|report|paper)\b", re.I)
 
 
 def _client_tool_names(body: Mapping) -> list[str]:
@@ -1219,6 +1258,9 @@ def _demo_call(messages: list, client_tools: list[str]) -> ToolCall | None:
         return ToolCall("web_fetch", {"url": match.group(0).rstrip(".,;:!?")})
     if "web_search" in client_tools and (match := _SEARCH.search(text)):
         return ToolCall("web_search", {"query": match.group(1).strip()[:200]})
+    # Declared only when the conversation has files: a message about them searches them.
+    if "search_attachments" in client_tools and _ABOUT_FILES.search(text):
+        return ToolCall("search_attachments", {"query": " ".join(text.split()[:12])[:400]})
     return None
 
 
@@ -1432,6 +1474,7 @@ class GatewaySimulator:
         self._received = 0  # every request since start or reset, kept or not
         self._cache: dict[str, float] = {}
         self._stats = CacheStats()
+        self._takes: dict[bytes, int] = {}  # per demo request (its messages' digest): how often it came
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task | None = None
@@ -1593,8 +1636,18 @@ class GatewaySimulator:
             self._received = 0
             self._cache.clear()
             self._stats = CacheStats()
+            self._takes.clear()
 
     # Serving
+
+    def _take(self, body: Mapping) -> int:
+        """How often these very messages came for a demo reply (a regenerate sends them again)."""
+        digest = hashlib.blake2b(orjson.dumps(body.get("messages"), option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+        with self._lock:
+            if len(self._takes) >= DEMO_TAKES_KEPT:
+                self._takes.clear()  # a bound on memory; forgetting only restarts the wording
+            self._takes[digest] = take = self._takes.get(digest, 0) + 1
+        return take
 
     def _account(self, body: Mapping) -> CacheAccount:
         now = time.monotonic()
@@ -1627,7 +1680,8 @@ class GatewaySimulator:
         # Only a request that reaches the model touches the prompt cache.
         account = self._account(body)
         if script is None:
-            script = _demo_script(path, body, account, self.reasoning_models, self.cache_min_tokens)
+            script = _demo_script(path, body, account, self.reasoning_models, self.cache_min_tokens,
+                                  take=self._take(body))
         return _success_reply(path, body, script, account)
 
     async def _asgi(self, scope, receive, send) -> None:

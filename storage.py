@@ -539,7 +539,7 @@ class OwnerStore(Protocol):
         """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
 
     lock_renew_seconds: float | None
-    """How often a running turn must renew its lock (`renew_turn`); None: locks never expire."""
+    """How often a running turn must renew its lock (`renew_turn`, also its heartbeat); None: locks never expire."""
 
     async def renew_turn(self, lock: TurnLock) -> bool:
         """Keep a claim alive; False when it is no longer current (it expired and another took it)."""

@@ -149,8 +149,13 @@ class RunningTurn:
         with contextlib.suppress(NotFound):
             conv = await turn.store.get(turn.conv_id)
             stored = next((m for m in reversed(conv["messages"]) if m["id"] == turn.assistant_id), None)
-        return TurnDone(turn.assistant_id, stored["usage"] if stored else None,
-                        stored["citations"] if stored else [], status="interrupted")
+        return interrupted_done(turn.assistant_id, stored)
+
+
+def interrupted_done(assistant_id: str, stored: dict | None) -> TurnDone:
+    """The `done` of a turn that ended early, with what its stored reply says (None: nothing was stored)."""
+    return TurnDone(assistant_id, stored.get("usage") if stored else None,
+                    stored.get("citations") or [] if stored else [], status="interrupted")
 
 
 class Started(Protocol):

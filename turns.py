@@ -174,6 +174,12 @@ def add_usage(totals: dict, usage: dict) -> None:
         totals["cost"] = round(totals["cost"] + usage["cost"], 10)
 
 
+def add_call_tokens(totals: dict, kind: str, usage: dict) -> None:
+    """A summarizer call's tokens apart (`title_input_tokens`...), so the header can itemise the totals."""
+    for key in ("input_tokens", "output_tokens"):
+        totals[f"{kind}_{key}"] = totals.get(f"{kind}_{key}", 0) + (usage.get(key) or 0)
+
+
 def combined(reports: list[dict]) -> dict:
     """Usage records of one reply's requests, summed; a cost missing from any is unreported."""
     if len(reports) == 1:
@@ -340,6 +346,7 @@ class Turns:
                 totals["title_calls"] = totals.get("title_calls", 0) + 1
                 if usage is not None:
                     add_usage(totals, usage)
+                    add_call_tokens(totals, "title", usage)
                     totals["title_cost"] = round(totals.get("title_cost", 0.0) + (usage["cost"] or 0), 10)
                 if title is not None and c.get("title_source", "auto") == "auto":  # not renamed meanwhile
                     c["title"] = title
@@ -399,6 +406,7 @@ class Turns:
             totals["compression_calls"] += 1
             if result.usage is not None:
                 add_usage(totals, result.usage)
+                add_call_tokens(totals, "compression", result.usage)
                 totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
 
         await store.update(conv_id, save, lock=lock)

@@ -479,16 +479,17 @@ function renderHeader() {
   el.title.textContent = conv?.title || UNTITLED;
   document.title = conv?.title ? `${conv.title} · Chat` : "Chat";
   renderPicker();
-  renderUsage(conv?.totals);
+  // Replies the totals never counted (imported ones) have no usage of their own.
+  renderUsage(conv?.totals, conv?.messages?.filter((m) => m.role === "assistant" && !m.usage).length ?? 0);
   renderContext(conv?.context);
 }
 
-function renderUsage(t) {
+function renderUsage(t, uncounted) {
   if (!t) {
     el.usage.replaceChildren();
     return;
   }
-  el.usage.replaceChildren(...usageItems(t).map(([key, text]) => node("span", `usage-${key}`, text)));
+  el.usage.replaceChildren(...usageItems(t, uncounted).map(([key, text]) => node("span", `usage-${key}`, text)));
   el.usage.title = "Session totals for this conversation. Cached % is the share of input read from the prompt cache.";
 }
 
@@ -965,6 +966,7 @@ async function awaitTitle(convId) {
     if (state.conv?.id === convId && !state.turn) {
       state.conv.title = conv.title;
       state.conv.title_source = conv.title_source;
+      state.conv.totals = conv.totals;  // the title call's spend, shown apart in the header
       renderHeader();
     }
     return;

@@ -24,26 +24,53 @@ export function cachedPercent(cached, input) {
   return input > 0 ? `${Math.round((100 * (cached || 0)) / input)}%` : "0%";
 }
 
-/** The header's cost item: a number alone only when every reply reported its cost. */
-export function describeCost(totals) {
-  const unknown = totals.cost_unreported || 0;
+// The one label of a cost nobody reported, in the header and under each reply.
+export const COST_UNKNOWN = "cost unknown";
+
+/**
+ * The header's cost item: a number alone only when every reply reported its cost; null while
+ * nothing was spent (a new conversation), never "$0". `uncounted`: replies the totals never
+ * counted (imported ones), whose cost is unknown too.
+ */
+export function describeCost(totals, uncounted = 0) {
+  const replies = (totals.turns || 0) + uncounted;
+  if (!replies && !totals.title_calls && !totals.compression_calls) return null;
+  const unknown = (totals.cost_unreported || 0) + uncounted;
   const cost = totals.cost || 0;
   if (!unknown) return formatCost(cost);
-  // `turns` counts replies; unreported calls may also include the summarizer's.
-  const replies = totals.turns || 0;
-  if (unknown < replies) return `cost unknown for ${unknown} of ${replies} replies; ${formatCost(cost)} for the rest`;
-  return cost > 0 ? `cost unknown; ${formatCost(cost)} reported` : "cost unknown";
+  // Unreported calls may also include the summarizer's, which are no replies.
+  if (unknown < replies) return `${COST_UNKNOWN} for ${unknown} of ${replies} replies; ${formatCost(cost)} for the rest`;
+  return cost > 0 ? `${COST_UNKNOWN}; ${formatCost(cost)} reported` : COST_UNKNOWN;
 }
 
-/** The header's session totals as [key, text] items. */
-export function usageItems(t) {
+/**
+ * A token total with the summarizer's calls named, so it agrees with the replies' own figures:
+ * "1,013 in (replies 489, title 524)".
+ */
+function itemised(t, key, label) {
+  const total = t[`${key}_tokens`] || 0;
+  const calls = [["title", t.title_calls, t[`title_${key}_tokens`]],
+                 ["summary", t.compression_calls, t[`compression_${key}_tokens`]]].filter(([, count]) => count > 0);
+  const figure = `${formatTokens(total)} ${label}`;
+  if (!calls.length) return figure;
+  if (calls.some(([, , tokens]) => typeof tokens !== "number")) {
+    // Counted before the server kept those calls' tokens apart: say they are in, not how many.
+    return `${figure} (incl. ${calls.map(([name, count]) => `${count} ${name} call${count === 1 ? "" : "s"}`).join(", ")})`;
+  }
+  const replies = total - calls.reduce((sum, [, , tokens]) => sum + tokens, 0);
+  return `${figure} (replies ${formatTokens(replies)}, ${calls.map(([name, , tokens]) => `${name} ${formatTokens(tokens)}`).join(", ")})`;
+}
+
+/** The header's session totals as [key, text] items; `uncounted` as for `describeCost`. */
+export function usageItems(t, uncounted = 0) {
+  const cost = describeCost(t, uncounted);
   return [
-    ["in", `${formatTokens(t.input_tokens)} in`],
-    ["out", `${formatTokens(t.output_tokens)} out`],
+    ["in", itemised(t, "input", "in")],
+    ["out", itemised(t, "output", "out")],
     ["cached", `${cachedPercent(t.cached_tokens, t.input_tokens)} cached`],
     ["searches", `${t.searches} ${t.searches === 1 ? "search" : "searches"}`],
     ["fetches", `${t.fetches} ${t.fetches === 1 ? "fetch" : "fetches"}`],
-    ["cost", describeCost(t)],
+    ...(cost === null ? [] : [["cost", cost]]),
     ["turns", `${t.turns} ${t.turns === 1 ? "turn" : "turns"}`],
   ];
 }
@@ -200,7 +227,7 @@ export function describeCompression(c) {
   return text;
 }
 
-/** The per-reply stats line: tokens in/out, cached share, cost or "cost n/a", searches. */
+/** The per-reply stats line: tokens in/out, cached share, cost or COST_UNKNOWN, searches. */
 function statsLine(usage, model) {
   const parts = [];
   if (model) parts.push(model);
@@ -208,7 +235,7 @@ function statsLine(usage, model) {
   parts.push(`${cachedPercent(usage.cached_tokens, usage.input_tokens)} cached`);
   if (usage.searches) parts.push(`${usage.searches} ${usage.searches === 1 ? "search" : "searches"}`);
   if (usage.fetches) parts.push(`${usage.fetches} ${usage.fetches === 1 ? "fetch" : "fetches"}`);
-  parts.push(typeof usage.cost === "number" ? formatCost(usage.cost) : "cost n/a");
+  parts.push(typeof usage.cost === "number" ? formatCost(usage.cost) : COST_UNKNOWN);
   if (usage.estimated) parts.push("estimated");
   return parts.join(" · ");
 }

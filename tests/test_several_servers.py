@@ -351,3 +351,54 @@ def test_a_server_killed_mid_turn_leaves_the_reply_interrupted_for_the_other(tmp
         a.stop()
         b.stop()
     post.join()
+
+
+def test_a_server_killed_mid_reply_is_noticed_by_the_other_within_a_few_heartbeats(tmp_path, sim, redis_server):  # noqa: F811
+    """Killing the server running a reply left the other's follower frozen until the 30 s lock expired."""
+    a, b = two_servers(tmp_path, sim, redis_server, HEARTBEAT_SECONDS="0.5",  # TURN_LOCK_SECONDS stays 30
+                       CHECKPOINT_SECONDS="0.2")
+    try:
+        sim.enqueue(slow_reply(pause=0.5))  # twenty seconds of reply: the kill lands mid-reply
+        conv_id = start_conversation(a.base_url)
+        on_b = f"{b.base_url}/api/conversations/{conv_id}"
+        post = Reader("POST", f"{a.base_url}/api/conversations/{conv_id}/messages", json={"content": "go slowly"})
+        post.wait_for(has_delta)
+        follower = Reader("GET", f"{on_b}/stream", headers={"Last-Event-ID": "1"})
+        follower.wait_for(has_delta)
+        deadline = time.monotonic() + 10
+        while not httpx.get(on_b).json()["messages"][-1].get("content"):  # A's checkpoint is in Redis
+            assert time.monotonic() < deadline, "no checkpoint reached Redis"
+            time.sleep(0.02)
+        assert [c["streaming"] for c in httpx.get(f"{b.base_url}/api/conversations").json()] == [True]
+
+        a.process.kill()
+        a.process.wait(10)
+        killed = time.monotonic()
+        assert follower.finished.wait(10), "B's follower never learned that A stopped answering"
+        noticed_after = time.monotonic() - killed
+        events = follower.join()
+        asked = time.monotonic()
+        stop = httpx.post(f"{on_b}/stop", json={}, timeout=20)
+        stop_took = time.monotonic() - asked
+        listed = httpx.get(f"{b.base_url}/api/conversations").json()
+        conv = httpx.get(on_b).json()
+        sim.enqueue(Script(steps=[steps.Text("Back again.")]))
+        again = httpx.post(f"{on_b}/messages", json={"content": "go on"}, timeout=10)
+    finally:
+        a.stop()
+        b.stop()
+    post.join()
+
+    print(f"follower ended {noticed_after:.2f} s after the kill; Stop took {stop_took:.3f} s")
+    # Three missed beats of 0.5 s, plus the follower's one-second wait for events, plus slack.
+    assert noticed_after < 4.5
+    name, data = events[-1][1], events[-1][2]
+    assert name == "done" and data["status"] == "interrupted"
+    assert data["assistant_message_id"] == post.events[0][2]["assistant_message_id"]
+    assert [seq for seq, _, _ in events] == list(range(2, 2 + len(events))), "the ending event follows the last"
+    assert stop.status_code == 204 and stop_took < 1.0
+    assert [c["streaming"] for c in listed] == [False]
+    assert conv["streaming"] is False and conv["turn"] is None
+    assert conv["messages"][-1]["status"] == "interrupted"
+    assert text_of(events).startswith(conv["messages"][-1]["content"]), "the reply stored is its last checkpoint"
+    assert parse_sse(again.text)[-1][0] == "done"

@@ -857,3 +857,47 @@ def test_ollama_style_parallel_calls_share_index_0_and_come_whole(sim):
     assert [(d["index"], d["id"], d["function"]["arguments"]) for d in tool_deltas(r.text)] == [
         (0, "call_1", '{"fact":"a"}'), (0, "call_2", '{"fact":"b"}')]
     assert finish_of(r.text) == "stop"
+
+
+def test_the_demo_streams_a_long_reply_slowly_when_asked_so_stop_and_reload_can_be_tried(sim):
+    """Demo replies all finished in 1.4 s, too soon to try Stop, reload or switching."""
+    started = time.monotonic()
+    first_bytes = None
+    text = ""
+    with httpx.stream("POST", f"{sim.base_url}/v1/chat/completions", json=chat_body("Write a long story, please"),
+                      timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and (piece := chunk["choices"][0]["delta"].get("content")):
+                    first_bytes = first_bytes or time.monotonic() - started
+                    text += piece
+    took = time.monotonic() - started
+    print(f"long demo reply: first text after {first_bytes:.2f} s, whole after {took:.1f} s, {len(text)} chars")
+    assert first_bytes < 1.0 and 15 <= took <= 21
+    assert "SIMULATED long reply" in text and len(text) > 2000
+
+
+def test_a_repeated_demo_request_is_answered_differently_each_take(sim):
+    """Every regenerated demo reply was the same, so a regenerate looked like nothing happened."""
+    body = chat_body("What is prompt caching?")
+    takes = [demo_text(sim, body) for _ in range(3)]
+    assert len(set(takes)) == 3
+    assert "(take 2)" in takes[1] and "(take 3)" in takes[2] and "(take" not in takes[0]
+    assert "(take" not in demo_text(sim, chat_body("Something else")), "another request is a first take"
+
+
+SEARCH_FILES_FN = {"type": "function", "function": {
+    "name": "search_attachments", "description": "Search the attached files.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+
+
+def test_the_demo_searches_attached_files_when_the_message_asks_about_them(sim):
+    """The demo never called the attachment tools, so file answers could not be tried without a model."""
+    asked = post(sim, "/v1/chat/completions", {**chat_body("What does the attached report say about revenue?"),
+                                               "tools": [REMEMBER_FN, SEARCH_FILES_FN]})
+    calls = assembled_calls(asked.text)
+    assert [c["name"] for c in calls.values()] == ["search_attachments"] and finish_of(asked.text) == "tool_calls"
+    assert json.loads(calls[0]["arguments"]) == {"query": "What does the attached report say about revenue?"}
+    unrelated = post(sim, "/v1/chat/completions", {**chat_body("Hello there"), "tools": [SEARCH_FILES_FN]})
+    assert tool_deltas(unrelated.text) == [], "a message not about the files is answered without a search"

@@ -55,3 +55,24 @@ def test_on_a_phone_the_banner_is_short_and_can_be_dismissed_for_good(browser, d
         assert page.js_errors == []
     finally:
         page.context.close()
+
+
+def test_a_long_demo_reply_can_be_reloaded_into_and_stopped(browser, demo_server):
+    """Demo replies ended in 1.4 s, so Stop and reload could not be tried without a real model."""
+    page = open_page(browser, demo_server.base_url)
+    try:
+        new_conversation(page)
+        send(page, "Write a long story")
+        reply = assistant_messages(page).last
+        expect(reply).to_contain_text("SIMULATED long reply")
+        page.reload()
+        expect(page.locator("body")).to_have_attribute("data-ready", "true")
+        reply = assistant_messages(page).last
+        expect(reply).to_have_attribute("data-status", "streaming")  # re-attached: still being written
+        stop = page.get_by_role("button", name="Stop")
+        expect(stop).to_be_visible()
+        stop.click()
+        expect(reply).to_have_attribute("data-status", "interrupted", timeout=5000)
+        assert "12. In " not in reply.inner_text(), "stopped before the story's end"
+    finally:
+        page.context.close()

@@ -198,7 +198,7 @@ def test_usage_header_stats_line_and_context_bar_show_the_servers_numbers(page, 
 
     stats = assistant_messages(page).locator(".stats")
     expect(stats.first).to_contain_text("2,000 in · 300 out · 75% cached · $0.0042")
-    expect(stats.last).to_contain_text("2,500 in · 100 out · 80% cached · cost n/a")
+    expect(stats.last).to_contain_text("2,500 in · 100 out · 80% cached · cost unknown")
 
     context = conv["context"]
     # The reserve for the reply counts against the budget like the prompt (shown once the server sends it).

@@ -212,3 +212,28 @@ def test_folded_history_is_collapsed_and_marked(blank, dropped, line):
     assert not got["open"] and got["line"] == line and got["none"]
     assert got["entries"] == [["user", "true", "Old question"], ["assistant", "true", "Old answer"],
                               ["notice", "true", "Folded 2 earlier messages."]]
+
+
+@pytest.mark.parametrize(("totals", "uncounted", "items"), [
+    # Counted before the server kept the title's tokens apart: named, not split.
+    ({"input_tokens": 1013, "output_tokens": 25, "title_calls": 1, "turns": 1, "cost": 0.001},
+     0, ["1,013 in (incl. 1 title call)", "25 out (incl. 1 title call)"]),
+    ({"input_tokens": 1500, "output_tokens": 80, "title_calls": 1, "title_input_tokens": 500,
+      "title_output_tokens": 5, "compression_calls": 2, "compression_input_tokens": 700,
+      "compression_output_tokens": 60, "turns": 3, "cost": 0.01},
+     0, ["1,500 in (replies 300, title 500, summary 700)", "80 out (replies 15, title 5, summary 60)"]),
+    # Imported replies were never counted: their cost is unknown, not zero.
+    ({"input_tokens": 0, "output_tokens": 0, "turns": 0, "cost": 0}, 2, ["0 in", "0 out", "cost unknown"]),
+    ({"input_tokens": 10, "output_tokens": 5, "turns": 1, "cost": 0.002}, 2,
+     ["10 in", "5 out", "cost unknown for 2 of 3 replies; $0.0020 for the rest"]),
+])
+def test_the_header_itemises_summarizer_calls_and_never_shows_a_missing_cost_as_zero(blank, totals, uncounted, items):
+    got = blank.evaluate(
+        """async ({ totals, uncounted }) => {
+          const { usageItems } = await import('/static/views.js');
+          return Object.fromEntries(usageItems(totals, uncounted));
+        }""",
+        {"totals": {"cached_tokens": 0, "searches": 0, "fetches": 0, "cost_unreported": 0, **totals},
+         "uncounted": uncounted},
+    )
+    assert [got["in"], got["out"], *([got["cost"]] if len(items) == 3 else [])] == items
