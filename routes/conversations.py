@@ -167,10 +167,10 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
 
 
 async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str | None:
-    """Why `patch.tools` cannot be set: a tool that does not exist, or one the preset does not allow."""
+    """Why `patch.tools` cannot be set: a tool that does not exist, or one the person's preset does not allow."""
     preset_name = patch.preset or (await store.get(conv_id))["settings"].get("preset") or "default"
     try:
-        allowed = Presets(state.settings.data_dir, tools.registry.names()).get(preset_name).tools
+        allowed = Presets(state.settings.data_dir, tools.registry.names(), owner=store.owner).get(preset_name).tools
     except PresetNotFound:
         return f"the preset {preset_name!r} does not exist"
     unknown = [n for n in patch.tools if n not in tools.registry]

@@ -226,6 +226,25 @@ async def test_a_persons_own_presets_are_theirs_alone(alice, bob):
         == "Talk like a pirate."
 
 
+async def test_the_tool_check_on_patch_reads_the_persons_own_presets(alice, bob):
+    """It read the first admin's presets: it refused bob's own and told him what alice's allowed."""
+    secret = {"name": "secret-notes", "text": "Alice's own.", "tools": ["remember", "read_attachment"]}
+    assert (await alice.post("/api/presets", json=secret)).status_code == 201
+    mine = {"name": "bob-notes", "text": "Bob's own.", "tools": ["remember"]}
+    assert (await bob.post("/api/presets", json=mine)).status_code == 201
+    conv = (await bob.post("/api/conversations", json={"preset": "bob-notes"})).json()
+
+    patched = await bob.patch(f"/api/conversations/{conv['id']}", json={"settings": {"tools": ["remember"]}})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["settings"]["tools"] == ["remember"]
+
+    peek = await bob.patch(f"/api/conversations/{conv['id']}",
+                           json={"settings": {"preset": "secret-notes", "tools": ["web_fetch"]}})
+    assert peek.status_code == 422 and "does not exist" in peek.json()["detail"]
+    assert "read_attachment" not in peek.text
+    assert (await bob.get(f"/api/conversations/{conv['id']}")).json()["settings"]["preset"] == "bob-notes"
+
+
 async def test_switching_accounts_on_gives_the_first_admin_everything_the_server_held(tmp_path, sim):
     from support import serve
 
