@@ -126,6 +126,9 @@ class ToolContext:
     read_memory: Callable[[], Awaitable[str]]
     write_memory: Callable[[str], Awaitable[None]]
     owner: str | None = None
+    # Set when the person approves facts first: `remember` proposes the fact through it, for the
+    # turn to put before the person, instead of writing memory.
+    propose_fact: Callable[[str], None] | None = None
     # Parallel `remember` calls in one batch read and write the same memory: one at a time.
     memory_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -559,6 +562,12 @@ async def remember(
         raise ToolError("the fact is empty")
     async with ctx.memory_lock:
         memory, added = prompt_context.merge_facts(await ctx.read_memory(), [line])
+        if added and ctx.propose_fact is not None:
+            # A fact can come from a fetched page that told the model what to remember: with
+            # approval on, nothing reaches memory (and every later prompt) until the person says so.
+            ctx.propose_fact(line)
+            return ToolOutput(f"Proposed for the person's memory; it is kept only once they accept it: {line}",
+                              f"proposed for memory: {line}")
         if added:
             await ctx.write_memory(memory)
     if not added:
