@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 import exchange
+import pii
 from deps import OwnerStoreDep, StateDep
 from search_index import IndexFollower, SearchIndex
 from storage import FileStore, NotFound, OwnerStore, new_id, now_iso
@@ -145,7 +146,10 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
         return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
     ids = []
     for conv in imported:
-        created = await store.create(stored_conversation(conv, state, store.owner))
+        stored = stored_conversation(conv, state, store.owner)
+        if state.settings.pii_masking == "on":
+            await anyio.to_thread.run_sync(pii.mask_conversation, stored)
+        created = await store.create(stored)
         ids.append(created["id"])
     return JSONResponse({"imported": ids}, status_code=201)
 

@@ -75,6 +75,31 @@ def mask(text: str) -> tuple[str, int]:
     return "".join(out), len(spans)
 
 
+def mask_conversation(conv: dict) -> int:
+    """Mask, in place, the personal text of a conversation made outside a turn (an import): its
+    title, system prompt, summary and every message; how many items were masked."""
+    total = 0
+
+    def masked(text: str) -> str:
+        nonlocal total
+        text, count = mask(text)
+        total += count
+        return text
+
+    conv["title"] = masked(conv["title"])
+    conv["summary"] = masked(conv.get("summary") or "")
+    for fold in conv.get("folds") or []:
+        fold["summary"] = masked(fold["summary"])
+    settings = conv.get("settings") or {}
+    if isinstance(settings.get("system_prompt"), str):
+        settings["system_prompt"] = masked(settings["system_prompt"])
+    for key in ("messages", "archive", "off_path"):
+        for message in conv.get(key) or []:
+            if isinstance(message.get("content"), str):
+                message["content"] = masked(message["content"])
+    return total
+
+
 def prepare() -> None:
     """Build the table of characters the view changes now (a few tenths of a second), not on the first message."""
     _changing()

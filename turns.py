@@ -313,6 +313,8 @@ class Turns:
                 text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS)
                 usage = context.normalize_usage(raw, sent_floor=context.count_tokens(request), output_text=text or "")
                 title = titles.parse(text, finish)
+                if title is not None and self.settings.pii_masking == "on":
+                    title = pii.mask(title)[0]
             except UpstreamError as exc:
                 log.info("titling %s failed: %s", conv_id, exc.message)
 
@@ -363,6 +365,9 @@ class Turns:
             return result.event(0)
         facts = list(result.facts)
         if self.settings.pii_masking == "on":
+            # The summarizer may repeat what a fetched page or a tool result held: the summary
+            # rides in every later prompt, so it is masked like the facts.
+            result = dataclasses.replace(result, summary=result.summary and pii.mask(result.summary)[0])
             facts = [pii.mask(fact)[0] for fact in facts]
         # Memory is read only now: another conversation may have added facts while the summarizer ran.
         memory = await store.read_memory()

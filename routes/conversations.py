@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 import branches
 import context
+import pii
 import tools
 from attachments import AttachmentNotFound, conversation_scope
 from config import ROOT, Settings
@@ -150,9 +151,13 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
         if problem:
             return JSONResponse({"detail": f"settings.tools: {problem}"}, status_code=422)
 
+    masking = state.settings.pii_masking == "on"
+    if masking and body.settings is not None and body.settings.system_prompt is not None:
+        body.settings.system_prompt = pii.mask(body.settings.system_prompt)[0]
+
     def apply(conv: dict) -> None:
         if body.title is not None and body.title.strip():
-            conv["title"] = body.title.strip()
+            conv["title"] = pii.mask(body.title.strip())[0] if masking else body.title.strip()
             conv["title_source"] = "user"  # a name the person chose is never replaced by a generated one
         if body.pinned is not None:
             conv["pinned"] = body.pinned
