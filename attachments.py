@@ -40,6 +40,7 @@ from pathlib import Path, PurePosixPath
 
 import orjson
 
+import pii
 from storage import atomic_write, new_id, now_iso, valid_id
 
 log = logging.getLogger("chat.attachments")
@@ -424,11 +425,16 @@ class SearchIndex:
 
 # -- the store ---------------------------------------------------------------------------------
 
+def _masked_pages(pages: list[dict]) -> list[dict]:
+    return [{**page, "text": pii.mask(page["text"])[0]} for page in pages]
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_bytes: int = 20 * 1024 * 1024
     max_pages: int = 1000
     timeout: float = EXTRACT_TIMEOUT
+    mask_pii: bool = False  # PII_MASKING=on: the text kept (and read to the model) is masked
 
 
 class Attachments:
@@ -492,6 +498,8 @@ class Attachments:
                 raise Unreadable("the file is empty")
             kind = await asyncio.get_running_loop().run_in_executor(self._executor, detect, upload, display)
             pages, total = await self._extract(kind, upload)
+            if self.limits.mask_pii:
+                pages = await asyncio.get_running_loop().run_in_executor(self._executor, _masked_pages, pages)
             meta = {
                 "id": new_id(), "name": display, "media_type": media_type(kind, display), "bytes": size,
                 "pages": total if kind == "pdf" else None, "chars": sum(len(p["text"]) for p in pages),

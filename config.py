@@ -131,6 +131,10 @@ class Settings(BaseSettings):
 
     # Tools that run on this server (tools.py, webfetch.py).
     tool_rounds_max: int = Field(8, ge=1)
+    # One model response may ask for at most this many calls, each with at most this much JSON;
+    # the rest are answered as tool errors (and never stored or resent whole).
+    tool_calls_max: int = Field(16, ge=1)
+    tool_args_max_bytes: int = Field(65_536, ge=2)
     tool_timeout: float = Field(30.0, gt=0)
     searxng_url: str | None = None
     fetch_max_bytes: int = Field(2_097_152, gt=0)

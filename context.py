@@ -445,6 +445,18 @@ def forget_facts(memory: str, facts: list[str]) -> str:
     return "".join(kept)
 
 
+def proposed_facts_notice(facts: list[str], parent_id: str) -> dict:
+    """The notice that puts facts the model asked to remember (`remember`, with approval on) before
+    the person: the same facts review as a compression's (`POST .../facts`), marked `source: "remember"`."""
+    n = len(facts)
+    data = {"folded": 0, "summary_tokens": 0, "facts_added": 0, "failed": False, "dropped": 0,
+            "facts": facts, "facts_pending": True, "source": "remember"}
+    text = (f"The model asked to remember {n} fact{'s' if n != 1 else ''}; "
+            f"{'they wait' if n != 1 else 'it waits'} for your review before anything is kept.")
+    return {"id": new_id(), "role": "notice", "content": text, "created_at": now_iso(), "parent_id": parent_id,
+            "compression": data}
+
+
 def first_words(text: str, limit: int = 8) -> str:
     words = text.split()
     return " ".join(words[:limit]) + ("…" if len(words) > limit else "")

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 import exchange
+import pii
 from deps import OwnerStoreDep, StateDep
 from search_index import IndexFollower, SearchIndex
 from storage import FileStore, NotFound, OwnerStore, new_id, now_iso
@@ -147,7 +148,10 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
     ids, warnings = [], []
     for conv in imported:
         replaced = model_replaced(conv["model"], lineup, state.settings.default_model)
-        created = await store.create(stored_conversation(conv, state, store.owner, replaced))
+        stored = stored_conversation(conv, state, store.owner, replaced)
+        if state.settings.pii_masking == "on":
+            await anyio.to_thread.run_sync(pii.mask_conversation, stored)
+        created = await store.create(stored)
         ids.append(created["id"])
         if replaced:
             warnings.append({"id": created["id"], "code": "model_replaced", "message": replaced})

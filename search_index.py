@@ -24,8 +24,10 @@ it does not know how conversations are stored or who an owner is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -247,6 +249,7 @@ class SearchIndex:
     # Connections -----------------------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
+        _make_private(self.path)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)
         conn.execute("PRAGMA journal_mode=WAL")
         # The index is rebuilt from the store after a crash, so losing the last commits is fine.
@@ -256,7 +259,6 @@ class SearchIndex:
 
     def _writing(self) -> sqlite3.Connection:
         if self._write_conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = self._connect()
             conn.executescript(SCHEMA)
             self._write_conn = conn
@@ -441,6 +443,18 @@ def _reconcile(conn: sqlite3.Connection, convs: list[tuple[str, str, str, dict]]
     conn.execute("INSERT INTO meta (key, value) VALUES ('built', ?) "
                  "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (INDEX_VERSION,))
     return changed
+
+
+def _make_private(path: Path) -> None:
+    """The index holds every message's text: 0600 like the conversations (SQLite gives its -wal and
+    -shm files the database's own mode), an older index made with the umask's mode included."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+        for side in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(side, 0o600)
 
 
 def _log_failure(future: asyncio.Future) -> None:

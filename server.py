@@ -12,6 +12,7 @@ import gc
 import logging
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ import attachment_routes
 import auth_routes
 import context
 import exchange_routes
+import pii
 import preset_routes
 from config import Settings, get_settings
 from deps import State
@@ -81,8 +83,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await store.ping()  # Redis expires conversations itself (a TTL on their keys)
             app.state.search = await exchange_routes.open_synced_index(active.data_dir)
         attachments = Attachments(active.data_dir / "attachments",
-                                  Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages))
+                                  Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
+                                         mask_pii=active.pii_masking == "on"))
         attachments.sweep()
+        if active.pii_masking == "on":
+            await anyio.to_thread.run_sync(pii.prepare)  # its table, built now rather than on the first message
         timeout = httpx.Timeout(active.upstream_timeout)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         demo = None

@@ -377,7 +377,7 @@ def _overwrite_unsynced(path: Path, chunks: list[bytes]) -> None:
     streaming; writing over the same blocks costs a few µs. The frame's length tells where the
     checkpoint ends, its CRC whether a crash cut the write short.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # a reply's text: private, like the conversation
     try:
         written = os.pwritev(fd, chunks, 0)
     finally:

@@ -87,15 +87,20 @@ class ToolLoop:
                     yield event
             if requested is None or final:
                 return  # an answer (a `tool_calls` finish without calls is one too)
-            results: dict[str, tools.ToolResult] = {}
-            for call in requested.calls:
+            calls, refused = self.registry.bound(requested.calls, max_calls=self.settings.tool_calls_max,
+                                                 max_argument_bytes=self.settings.tool_args_max_bytes)
+            results = {result.call_id: result for result in refused}
+            runnable = tuple(call for call in calls if call.id not in results)
+            for call in runnable:
                 yield ToolStep(tools.running_event(call))
-            async for result in self._run_calls(requested.calls):
+            for result in refused:
+                yield ToolStep(result.event())
+            async for result in self._run_calls(runnable):
                 results[result.call_id] = result
                 yield ToolStep(result.event(), result.citations)
-            ordered = [results[call.id] for call in requested.calls]
-            yield ToolRound(self._round(text, requested.calls, ordered))
-            extra += self._wire_round(text, requested, ordered)
+            ordered = [results[call.id] for call in calls]
+            yield ToolRound(self._round(text, calls, ordered))
+            extra += self._wire_round(text, calls, self._kept_blocks(requested, calls), ordered)
 
     async def _run_calls(self, calls: tuple[tools.Call, ...]) -> AsyncIterator[tools.ToolResult]:
         """Each call's result as it finishes; the contexts are set only while the calls start."""
@@ -137,13 +142,35 @@ class ToolLoop:
                         for r in results],
         }
 
-    def _wire_round(self, text: str, requested: ToolCallsRequested,
+    @staticmethod
+    def _kept_blocks(requested: ToolCallsRequested, kept: tuple[tools.Call, ...]) -> list[dict]:
+        """Messages: the blocks as received, less the `tool_use` blocks of calls that were dropped;
+        a call kept with its arguments emptied (or its name cut) is resent that way."""
+        standing = {}  # received id -> the kept calls for it, in order (a model may repeat an id)
+        for original, call in zip(requested.calls, kept):
+            standing.setdefault(original.id, []).append(call)
+        blocks = []
+        for block in requested.blocks:
+            if block.get("type") != "tool_use":
+                blocks.append(block)
+                continue
+            waiting = standing.get(str(block.get("id", "")))
+            if not waiting:
+                continue
+            call = waiting.pop(0)
+            if call.arguments == "{}" or call.name != block.get("name") or call.id != block.get("id"):
+                block = {"type": "tool_use", "id": call.id, "name": call.name,
+                         "input": block.get("input") if call.arguments != "{}" else {}}
+            blocks.append(block)
+        return blocks
+
+    def _wire_round(self, text: str, kept: tuple[tools.Call, ...], blocks: list[dict],
                     results: list[tools.ToolResult]) -> list[dict]:
         """The call message and its results, in this wire's shape, for the next request."""
         if self.wire == "messages":
-            return [{"role": "assistant", "content": list(requested.blocks)},
+            return [{"role": "assistant", "content": blocks},
                     {"role": "user", "content": [r.messages_block() for r in results]}]
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments_json(c.arguments)}}
-                 for c in requested.calls]
+                 for c in kept]
         return [{"role": "assistant", "content": text or None, "tool_calls": calls},
                 *(r.chat_message() for r in results)]

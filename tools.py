@@ -45,6 +45,8 @@ TOOL_RESULT_MAX_CHARS = 20_000
 SUMMARY_MAX_CHARS = 120
 DEFAULT_TOOL_TIMEOUT = 30.0
 SEARCH_RESULTS_MAX = 5
+TOOL_NAME_MAX_CHARS = 64  # the longest tool name the gateways accept
+TOOL_ID_MAX_CHARS = 128
 # The tools the gateway itself can run as server tools on /v1/messages (tool_runtime "gateway").
 GATEWAY_TOOLS = ("web_search", "web_fetch")
 Wire = Literal["chat", "messages"]
@@ -124,6 +126,9 @@ class ToolContext:
     read_memory: Callable[[], Awaitable[str]]
     write_memory: Callable[[str], Awaitable[None]]
     owner: str | None = None
+    # Set when the person approves facts first: `remember` proposes the fact through it, for the
+    # turn to put before the person, instead of writing memory.
+    propose_fact: Callable[[str], None] | None = None
     # Parallel `remember` calls in one batch read and write the same memory: one at a time.
     memory_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -308,6 +313,38 @@ class Registry:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def bound(self, calls: Sequence[Call], *, max_calls: int, max_argument_bytes: int
+              ) -> tuple[tuple[Call, ...], list[ToolResult]]:
+        """The calls of one response cut to size before any runs: what is kept (`kept[i]` stands for
+        `calls[i]`), and the refusals.
+
+        The first `max_calls` are kept; a call whose arguments exceed `max_argument_bytes` is kept
+        with `{}` as its arguments and refused, and so is the first call past the limit, which
+        answers for all of them: a response of 5,000 calls is stored and resent as at most
+        `max_calls + 1`, so the model still reads why the rest did not run.
+        """
+        kept: list[Call] = []
+        refused: list[ToolResult] = []
+        started = time.perf_counter()
+        for call in calls[:max_calls]:
+            call = _short_name(call)
+            size = _argument_bytes(call.arguments)
+            if size <= max_argument_bytes:
+                kept.append(call)
+                continue
+            kept.append(Call(call.id, call.name, "{}"))
+            refused.append(self._failed(call.name, call.id, {}, f"the arguments are {size:,} bytes, more than the "
+                                        f"{max_argument_bytes:,} a call may carry (TOOL_ARGS_MAX_BYTES); this call "
+                                        "was not run", started, expected=True))
+        if len(calls) > max_calls:
+            first = _short_name(calls[max_calls])
+            kept.append(Call(first.id, first.name, "{}"))
+            refused.append(self._failed(first.name, first.id, {}, f"not run: this response made {len(calls):,} "
+                                        f"calls and at most {max_calls} run in one round (TOOL_CALLS_MAX); this one "
+                                        f"and the {len(calls) - max_calls - 1:,} after it were dropped. Ask again "
+                                        "for what you still need, in fewer calls", started, expected=True))
+        return tuple(kept), refused
+
     def _failed(self, name: str, call_id: str, arguments: dict, reason: str, started: float, *,
                 expected: bool) -> ToolResult:
         if name in self._tools:
@@ -366,6 +403,19 @@ def _parse_arguments(raw: str | dict) -> dict:
     if not isinstance(value, dict):
         raise ToolError("the arguments must be a JSON object")
     return value
+
+
+def _argument_bytes(raw: str | dict) -> int:
+    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _short_name(call: Call) -> Call:
+    """The call with its id and name cut to what any gateway accepts: the model chose them, and they
+    are stored and resent like the arguments."""
+    if len(call.name) <= TOOL_NAME_MAX_CHARS and len(call.id) <= TOOL_ID_MAX_CHARS:
+        return call
+    return Call(call.id[:TOOL_ID_MAX_CHARS], call.name[:TOOL_NAME_MAX_CHARS], call.arguments)
 
 
 def _arguments_or_empty(raw: str) -> dict:
@@ -512,6 +562,12 @@ async def remember(
         raise ToolError("the fact is empty")
     async with ctx.memory_lock:
         memory, added = prompt_context.merge_facts(await ctx.read_memory(), [line])
+        if added and ctx.propose_fact is not None:
+            # A fact can come from a fetched page that told the model what to remember: with
+            # approval on, nothing reaches memory (and every later prompt) until the person says so.
+            ctx.propose_fact(line)
+            return ToolOutput(f"Proposed for the person's memory; it is kept only once they accept it: {line}",
+                              f"proposed for memory: {line}")
         if added:
             await ctx.write_memory(memory)
     if not added:

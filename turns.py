@@ -135,6 +135,9 @@ class Turn:
     redactor: Redactor = field(default_factory=Redactor)
     keeper: asyncio.Future | None = None  # renews the lock of a store whose locks expire (Redis)
     masked: int | None = None  # items of personal data masked in the person's message, when masking is on
+    # Facts the model asked to remember while the person approves facts first: stored with the
+    # reply as a notice to review, never written to memory by the turn.
+    proposed_facts: list[str] = field(default_factory=list)
     # Our own count of the prompt, the floor under the measured one; counted on a worker thread
     # (tiktoken lets go of the GIL), because the first count of a long conversation takes
     # hundreds of milliseconds that every other stream would otherwise wait through.
@@ -338,6 +341,8 @@ class Turns:
                 text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS)
                 usage = context.normalize_usage(raw, sent_floor=context.count_tokens(request), output_text=text or "")
                 title = titles.parse(text, finish)
+                if title is not None and self.settings.pii_masking == "on":
+                    title = pii.mask(title)[0]
             except UpstreamError as exc:
                 log.info("titling %s failed: %s", conv_id, exc.message)
 
@@ -389,6 +394,9 @@ class Turns:
             return result.event(0)
         facts = list(result.facts)
         if self.settings.pii_masking == "on":
+            # The summarizer may repeat what a fetched page or a tool result held: the summary
+            # rides in every later prompt, so it is masked like the facts.
+            result = dataclasses.replace(result, summary=result.summary and pii.mask(result.summary)[0])
             facts = [pii.mask(fact)[0] for fact in facts]
         # Memory is read only now: another conversation may have added facts while the summarizer ran.
         memory = await store.read_memory()
@@ -616,7 +624,7 @@ class Turns:
             prompt = self._without_web_sentence(conv, prompt)
         if selection.local:
             loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
-                            model=turn.model, selection=selection, ctx=self._tool_context(turn),
+                            model=turn.model, selection=selection, ctx=self._tool_context(turn, conv),
                             scope=lambda: self._attachment_scope(turn, conv),
                             plain_text=turn.model in self.plain_text_models)
             source = loop.run(prompt)
@@ -628,14 +636,22 @@ class Turns:
             async for event in events:
                 yield event
 
-    def _tool_context(self, turn: Turn) -> tools.ToolContext:
+    def _tool_context(self, turn: Turn, conv: dict) -> tools.ToolContext:
+        masking = self.settings.pii_masking == "on"
+
         async def write_masked(text: str) -> None:
             await turn.store.write_memory(pii.mask(text)[0])
 
-        # A fact the model remembers is masked like the person's message.
-        write_memory = write_masked if self.settings.pii_masking == "on" else turn.store.write_memory
+        def propose(fact: str) -> None:
+            fact = pii.mask(fact)[0] if masking else fact
+            turn.proposed_facts += context.fresh_facts("\n".join(turn.proposed_facts), [fact])
+
+        # A fact the model remembers is masked like the person's message, and waits for the
+        # person's word when they approve facts first (as a compression's facts do).
+        write_memory = write_masked if masking else turn.store.write_memory
+        approve = conv["settings"].get("approve_facts", self.settings.approve_facts)
         return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
-                                 owner=turn.store.owner)
+                                 owner=turn.store.owner, propose_fact=propose if approve else None)
 
     def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
         """Without web tools the budget sentence would promise searches the model cannot make."""
@@ -732,6 +748,9 @@ class Turns:
         if error:
             message["error"] = error
 
+        # Facts the model proposed follow the reply, so they leave the path with it (a regenerate).
+        notice = context.proposed_facts_notice(turn.proposed_facts, turn.assistant_id) if turn.proposed_facts else None
+
         def append(c: dict) -> None:
             messages = c["messages"]
             # The reply's last checkpoint (status "streaming") is replaced: the reply is stored once.
@@ -739,6 +758,8 @@ class Turns:
                 messages[-1] = message
             else:
                 messages.append(message)
+            if notice is not None:
+                messages.append(notice)
             add_usage(c["totals"], usage)
             c["totals"]["turns"] += 1
             if not usage["estimated"]:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 import branches
 import context
+import pii
 import tools
 from attachments import AttachmentNotFound, conversation_scope
 from config import ROOT, Settings
@@ -155,9 +156,13 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
         if problem:
             return JSONResponse({"detail": f"settings.tools: {problem}"}, status_code=422)
 
+    masking = state.settings.pii_masking == "on"
+    if masking and body.settings is not None and body.settings.system_prompt is not None:
+        body.settings.system_prompt = pii.mask(body.settings.system_prompt)[0]
+
     def apply(conv: dict) -> None:
         if body.title is not None and body.title.strip():
-            conv["title"] = body.title.strip()
+            conv["title"] = pii.mask(body.title.strip())[0] if masking else body.title.strip()
             conv["title_source"] = "user"  # a name the person chose is never replaced by a generated one
         if body.pinned is not None:
             conv["pinned"] = body.pinned
@@ -172,10 +177,10 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
 
 
 async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str | None:
-    """Why `patch.tools` cannot be set: a tool that does not exist, or one the preset does not allow."""
+    """Why `patch.tools` cannot be set: a tool that does not exist, or one the person's preset does not allow."""
     preset_name = patch.preset or (await store.get(conv_id))["settings"].get("preset") or "default"
     try:
-        allowed = Presets(state.settings.data_dir, tools.registry.names()).get(preset_name).tools
+        allowed = Presets(state.settings.data_dir, tools.registry.names(), owner=store.owner).get(preset_name).tools
     except PresetNotFound:
         return f"the preset {preset_name!r} does not exist"
     unknown = [n for n in patch.tools if n not in tools.registry]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from deps import OwnerStoreDep
+import pii
+from deps import OwnerStoreDep, StateDep
 from schemas import MemoryPut, MemoryText
 
 router = APIRouter(prefix="/api/memory", tags=["memory"])
@@ -16,6 +17,8 @@ async def get_memory(store: OwnerStoreDep) -> dict:
 
 
 @router.put("", response_model=MemoryText)
-async def put_memory(body: MemoryPut, store: OwnerStoreDep) -> dict:
-    await store.write_memory(body.text)
-    return {"text": body.text}
+async def put_memory(body: MemoryPut, state: StateDep, store: OwnerStoreDep) -> dict:
+    # Memory rides in every prompt: masked like a message when masking is on.
+    text = pii.mask(body.text)[0] if state.settings.pii_masking == "on" else body.text
+    await store.write_memory(text)
+    return {"text": text}

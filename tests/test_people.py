@@ -226,6 +226,25 @@ async def test_a_persons_own_presets_are_theirs_alone(alice, bob):
         == "Talk like a pirate."
 
 
+async def test_the_tool_check_on_patch_reads_the_persons_own_presets(alice, bob):
+    """It read the first admin's presets: it refused bob's own and told him what alice's allowed."""
+    secret = {"name": "secret-notes", "text": "Alice's own.", "tools": ["remember", "read_attachment"]}
+    assert (await alice.post("/api/presets", json=secret)).status_code == 201
+    mine = {"name": "bob-notes", "text": "Bob's own.", "tools": ["remember"]}
+    assert (await bob.post("/api/presets", json=mine)).status_code == 201
+    conv = (await bob.post("/api/conversations", json={"preset": "bob-notes"})).json()
+
+    patched = await bob.patch(f"/api/conversations/{conv['id']}", json={"settings": {"tools": ["remember"]}})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["settings"]["tools"] == ["remember"]
+
+    peek = await bob.patch(f"/api/conversations/{conv['id']}",
+                           json={"settings": {"preset": "secret-notes", "tools": ["web_fetch"]}})
+    assert peek.status_code == 422 and "does not exist" in peek.json()["detail"]
+    assert "read_attachment" not in peek.text
+    assert (await bob.get(f"/api/conversations/{conv['id']}")).json()["settings"]["preset"] == "bob-notes"
+
+
 async def test_switching_accounts_on_gives_the_first_admin_everything_the_server_held(tmp_path, sim):
     from support import serve
 
@@ -255,3 +274,85 @@ async def test_a_persons_own_preset_decides_the_tools_their_turns_offer(alice, s
 
     declared = [t["function"]["name"] for t in sim.requests[-1].body.get("tools", [])]
     assert declared == ["remember"], "her own preset's whitelist is the one the turn offers"
+
+
+# Each path personal text takes, with masking on: what is stored and what goes upstream is masked.
+FULL_WIDTH_PHONE = "０１０－１２３４－５６７８"
+
+
+def upstream_text(sim) -> str:
+    return json.dumps(sim.requests[-1].body, ensure_ascii=False)
+
+
+async def test_masking_covers_memory_written_by_hand(api, client, sim, settings):
+    put = await client.put("/api/memory", json={"text": f"- My number is {FULL_WIDTH_PHONE}\n"})
+    assert put.json()["text"] == "- My number is [phone]\n"
+    assert (await client.get("/api/memory")).json()["text"] == "- My number is [phone]\n"
+    conv = await api.new()
+    sim.enqueue(Script(steps=[steps.Text("Ok.")]))
+    await api.send(conv["id"], "hi")
+    assert "My number is [phone]" in upstream_text(sim) and "１２３４" not in upstream_text(sim)
+
+
+async def test_masking_covers_the_conversation_title_and_prompt(api, client, sim, settings):
+    conv = await api.new()
+    patched = await api.patch(conv["id"], title="Call kim＠example.com",
+                              settings={"system_prompt": "The person's card is 4111.1111.1111.1111."})
+    assert patched["title"] == "Call [email]"
+    assert patched["settings"]["system_prompt"] == "The person's card is [card]."
+    sim.enqueue(Script(steps=[steps.Text("Ok.")]))
+    await api.send(conv["id"], "hi")
+    assert "The person's card is [card]." in upstream_text(sim) and "4111" not in upstream_text(sim)
+
+
+async def test_masking_covers_the_summary(api, client, sim, settings):
+    conv = await api.new()
+    for n in range(3):
+        sim.enqueue(Script(steps=[steps.Text(f"answer {n}")]))
+        await api.send(conv["id"], f"question {n}")
+    summary = "They asked about (02) 123-4567 and 900101 1234567."
+    sim.enqueue(Script(steps=[steps.Text(json.dumps({"summary": summary, "facts": []}))]))
+    assert (await client.post(f"/api/conversations/{conv['id']}/compress", json={})).status_code == 200
+    assert (await api.get(conv["id"]))["summary"] == "They asked about [phone] and [rrn]."
+    sim.enqueue(Script(steps=[steps.Text("Ok.")]))
+    await api.send(conv["id"], "next")
+    assert "They asked about [phone] and [rrn]." in upstream_text(sim) and "4567" not in upstream_text(sim)
+
+
+async def test_masking_covers_imported_conversations(api, client, sim, settings):
+    settings.pii_masking = "off"
+    conv = await api.new()
+    sim.enqueue(Script(steps=[steps.Text("Noted.")]))
+    await api.send(conv["id"], f"Reach me at {FULL_WIDTH_PHONE} or hong@naver.com")
+    await api.patch(conv["id"], title="hong@naver.com")
+    exported = (await client.get(f"/api/conversations/{conv['id']}/export", params={"format": "json"})).content
+    assert FULL_WIDTH_PHONE.encode() in exported
+    settings.pii_masking = "on"
+
+    response = await client.post("/api/import", files={"file": ("export.json", exported, "application/json")})
+    assert response.status_code == 201, response.text
+    [new_id] = response.json()["imported"]
+    imported = await api.get(new_id)
+    assert imported["title"] == "[email]"
+    assert imported["messages"][0]["content"] == "Reach me at [phone] or [email]"
+    sim.enqueue(Script(steps=[steps.Text("Ok.")]))
+    await api.send(new_id, "hi")
+    assert "Reach me at [phone] or [email]" in upstream_text(sim) and "naver" not in upstream_text(sim)
+
+
+async def test_masking_covers_attachment_text(api, client, sim, settings):
+    settings.default_tool_runtime = "local"
+    conv = await api.new()
+    text = f"Contact sheet\nKim: {FULL_WIDTH_PHONE}\nLee: lee@example.org\n".encode()
+    uploaded = await client.post(f"/api/conversations/{conv['id']}/attachments",
+                                 files={"file": ("contacts.txt", text, "text/plain")})
+    assert uploaded.status_code == 201, uploaded.text
+    sim.enqueue(Script(steps=[steps.ToolCall("read_attachment", {"name": "contacts.txt"})]),
+                Script(steps=[steps.Text("Here they are.")]))
+    response = await client.post(f"/api/conversations/{conv['id']}/messages",
+                                 json={"content": "who is on the sheet?", "attachment_ids": [uploaded.json()["id"]]})
+    events = parse_sse(response.text)
+    assert names(events)[-1] == "done"
+    sent = upstream_text(sim)
+    assert "Kim: [phone]" in sent and "Lee: [email]" in sent
+    assert "１２３４" not in sent and "lee@example.org" not in sent

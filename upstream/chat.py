@@ -90,7 +90,9 @@ class ChatDecoder:
         self.finished = False
         self._finish: str | None = None
         self._refusal = ""
-        self._calls: list[dict] = []           # {"id", "name", "arguments"} in arrival order
+        # {"id", "name", "arguments": [pieces]} in arrival order; joined once at the end, since
+        # adding each piece to a string would copy all of it again for every piece.
+        self._calls: list[dict] = []
         self._at_index: dict[int, dict] = {}   # the call a piece at this index continues
 
     def feed(self, record: SSERecord) -> list[Event]:
@@ -158,14 +160,15 @@ class ChatDecoder:
         # A name comes only in a call's first piece, so a second name (or another id) at a used
         # index starts a new call: Ollama's whole calls, all at index 0, some without ids.
         if call is None or (call_id and call["id"] and call_id != call["id"]) or (name and call["name"]):
-            call = {"id": call_id, "name": "", "arguments": ""}
+            call = {"id": call_id, "name": "", "arguments": []}
             self._calls.append(call)
             self._at_index[index] = call
         elif call_id:
             call["id"] = call_id
         if name and not call["name"]:
             call["name"] = name
-        call["arguments"] += arguments or ""
+        if arguments:
+            call["arguments"].append(arguments)
 
     @property
     def calls(self) -> list[dict]:
@@ -181,7 +184,7 @@ class ChatDecoder:
         events: list[Event] = []
         if self._calls:
             events.append(ToolCallsRequested(tuple(
-                Call(c["id"] or f"call_{n}", c["name"], c["arguments"]) for n, c in enumerate(self._calls))))
+                Call(c["id"] or f"call_{n}", c["name"], "".join(c["arguments"])) for n, c in enumerate(self._calls))))
         return events + [Finished(self._finish)]
 
 

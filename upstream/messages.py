@@ -184,7 +184,8 @@ class MessagesDecoder:
         self.stop_detail = ""
         self.finished = False
         self._blocks: dict[int, dict] = {}
-        self._partial_json: dict[int, str] = {}
+        # Input JSON pieces per block, joined once when the block stops.
+        self._partial_json: dict[int, list[str]] = {}
         # Our own tools the model called (`tool_use` blocks), with their raw argument JSON.
         self.client_calls: list[Call] = []
 
@@ -245,7 +246,7 @@ class MessagesDecoder:
                 thinking = _member(block, "thinking", str, "thinking block")
                 return [ReasoningDelta(thinking)] if thinking else []
             case "server_tool_use" | "tool_use":
-                self._partial_json[index] = ""
+                self._partial_json[index] = []
             case "web_search_tool_result":
                 return [self._search_results(block)]
             case "web_fetch_tool_result":
@@ -266,8 +267,8 @@ class MessagesDecoder:
             case "signature_delta":
                 block["signature"] = (block.get("signature") or "") + _member(delta, "signature", str, "signature_delta")
             case "input_json_delta":
-                self._partial_json[index] = self._partial_json.get(index, "") + _member(
-                    delta, "partial_json", str, "input_json_delta")
+                self._partial_json.setdefault(index, []).append(
+                    _member(delta, "partial_json", str, "input_json_delta"))
             case "citations_delta":
                 citation = delta.get("citation") or {}
                 block["citations"] = [*(block.get("citations") or []), citation]
@@ -279,7 +280,7 @@ class MessagesDecoder:
         if block.get("type") not in ("server_tool_use", "tool_use"):
             return []
         # The input arrives as JSON pieces; only the whole of it parses.
-        raw = self._partial_json.pop(index, "")
+        raw = "".join(self._partial_json.pop(index, []))
         if block.get("type") == "tool_use":
             # Our tool: malformed arguments are the model's mistake, answered as a tool error, and
             # the block is resent with an empty input (the API needs an object there).

@@ -23,22 +23,29 @@ class SSERecord:
 class SSEDecoder:
     def __init__(self) -> None:
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buffer = ""
+        # The start of a line whose end has not arrived, in pieces: a long line is joined once, and
+        # searched once, rather than copied and searched again with every read.
+        self._pending: list[str] = []
         self._event = ""
         self._data: list[str] = []
 
     def feed(self, chunk: bytes) -> list[SSERecord]:
         """Records completed by this chunk, in order."""
-        self._buffer += self._text.decode(chunk)
+        text = self._text.decode(chunk)
+        if self._pending and self._pending[-1].endswith("\r"):
+            # A CR that ended the last read: a line end, unless this read begins with its LF.
+            self._pending[-1] = self._pending[-1][:-1]
+            text = "\r" + text
         records: list[SSERecord] = []
-        while True:
-            cut = _line_end(self._buffer)
-            if cut is None:
-                break
-            line, self._buffer = self._buffer[: cut[0]], self._buffer[cut[1]:]
-            record = self._line(line)
+        start = 0
+        while (match := _EOL.search(text, start)) is not None:
+            record = self._line("".join([*self._pending, text[start:match.start()]]))
+            self._pending.clear()
             if record is not None:
                 records.append(record)
+            start = match.end()
+        if start < len(text):
+            self._pending.append(text[start:])
         return records
 
     def _line(self, line: str) -> SSERecord | None:
@@ -68,8 +75,3 @@ class SSEDecoder:
 # A lone CR at the very end is not yet a line end: its LF may come in the next read.
 _EOL = re.compile(r"\r\n|\n|\r(?=.)", re.S)
 
-
-def _line_end(buffer: str) -> tuple[int, int] | None:
-    """(end of line, start of next) for the first complete line, or None."""
-    match = _EOL.search(buffer)
-    return (match.start(), match.end()) if match else None
