@@ -29,8 +29,8 @@ class State:
         self.store = store
         self.turns = turns
         self.attachments = attachments
-        self.hub = hub if hub is not None else LocalTurnHub(turns)
         self.events = events if events is not None else PersonEvents()
+        self.hub = hub if hub is not None else LocalTurnHub(turns, self.events)
 
     async def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()

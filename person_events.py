@@ -7,7 +7,8 @@ Three events, for that person's conversations only:
 - `turn`: `{"id", "state": "started"|"ended"}`.
 
 `AnnouncingStore` wraps one owner's store (the one `deps` hands every route), so every change a
-route or a turn makes is told from one place, whichever store is behind it. `PersonEvents`
+route or a turn makes is told from one place, whichever store is behind it; the turn hub tells
+when a turn starts and ends (`tell_turn`). `PersonEvents`
 delivers within this process; `RedisPersonEvents` sends each event through Redis
 publish/subscribe, so a change made by any process reaches the pages connected to any other.
 
@@ -170,6 +171,12 @@ class RedisPersonEvents(PersonEvents):
                     await task
 
 
+def tell_turn(events: PersonEvents, owner: str, conv_id: str, started: bool) -> None:
+    """A turn took the conversation (`started`) or let it go: its `turn` event and the list's dot."""
+    events.publish(owner, "turn", {"id": conv_id, "state": "started" if started else "ended"})
+    events.publish(owner, "conversation", {"id": conv_id, "streaming": started})
+
+
 class AnnouncingStore:
     """One owner's store that tells the owner's pages of each change it makes (see the module doc)."""
 
@@ -203,14 +210,3 @@ class AnnouncingStore:
     async def delete(self, conv_id: str) -> None:
         await self.inner.delete(conv_id)
         self._tell("deleted", {"id": conv_id})
-
-    async def lock_turn(self, conv_id: str) -> TurnLock:
-        lock = await self.inner.lock_turn(conv_id)
-        self._tell("turn", {"id": conv_id, "state": "started"})
-        self._tell("conversation", {"id": conv_id, "streaming": True})
-        return lock
-
-    async def unlock_turn(self, lock: TurnLock) -> None:
-        await self.inner.unlock_turn(lock)
-        self._tell("turn", {"id": lock.conv_id, "state": "ended"})
-        self._tell("conversation", {"id": lock.conv_id, "streaming": False})

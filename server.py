@@ -102,8 +102,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if not isinstance(store, FileStore):
                 from redis_turn_hub import RedisTurnHub
 
-                hub = RedisTurnHub(turns, store)  # Stop and re-attach reach turns running in other processes
                 events = RedisPersonEvents(store.redis, store.prefix)  # pages hear of every process's changes
+                hub = RedisTurnHub(turns, store, events)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub, events=events)
             turns.tool_runtime = app.state.chat.tool_runtime
             try:
