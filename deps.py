@@ -14,6 +14,7 @@ from fastapi import Depends, HTTPException, Request
 from attachments import Attachments
 from auth import User, current_user
 from config import ModelInfo, Settings
+from person_events import AnnouncingStore, PersonEvents
 from storage import OwnerStore, Store
 from turn_hub import LocalTurnHub, TurnHub
 from turns import Turns
@@ -23,12 +24,13 @@ class State:
     """What lifespan builds; tests reach it as `app.state.chat`."""
 
     def __init__(self, settings: Settings, store: Store, turns: Turns, attachments: Attachments,
-                 hub: TurnHub | None = None) -> None:
+                 hub: TurnHub | None = None, events: PersonEvents | None = None) -> None:
         self.settings = settings
         self.store = store
         self.turns = turns
         self.attachments = attachments
-        self.hub = hub if hub is not None else LocalTurnHub(turns)
+        self.events = events if events is not None else PersonEvents()
+        self.hub = hub if hub is not None else LocalTurnHub(turns, self.events)
 
     async def lineup(self) -> list[ModelInfo]:
         builtin = self.settings.lineup()
@@ -79,7 +81,7 @@ AdminDep = Annotated[User, Depends(require_admin)]
 
 
 async def get_owner_store(state: StateDep, owner: OwnerDep) -> OwnerStore:
-    return state.store.for_owner(owner)
+    return AnnouncingStore(state.store.for_owner(owner), state.events)
 
 
 OwnerStoreDep = Annotated[OwnerStore, Depends(get_owner_store)]

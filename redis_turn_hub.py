@@ -28,6 +28,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from person_events import PersonEvents
 from redis_store import RedisStore
 from storage import StoreUnavailable
 from streaming import encode
@@ -47,8 +48,8 @@ CLOSE_WAIT = 5.0
 class RedisTurnHub:
     """Turns of this process, mirrored to Redis; turns of other processes, read from it."""
 
-    def __init__(self, turns: Turns, store: RedisStore) -> None:
-        self.local = LocalTurnHub(turns)
+    def __init__(self, turns: Turns, store: RedisStore, events: PersonEvents | None = None) -> None:
+        self.local = LocalTurnHub(turns, events)
         self.store = store
         self._helpers: set[asyncio.Task] = set()  # per turn: its copy to Redis and its stop listener
 

@@ -27,7 +27,8 @@ import preset_routes
 from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
-from routes import conversations, memory, models, site
+from person_events import PersonEvents, RedisPersonEvents
+from routes import conversations, live, memory, models, site
 from security import Guard
 from attachments import Attachments, Limits
 from storage import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
@@ -103,18 +104,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             turns = Turns(active, Gateway(client, base_url, api_key), attachments)
-            hub = None
+            hub, events = None, PersonEvents()
             if not isinstance(store, FileStore):
                 from redis_turn_hub import RedisTurnHub
 
-                hub = RedisTurnHub(turns, store)  # Stop and re-attach reach turns running in other processes
-            app.state.chat = State(active, store, turns, attachments, hub=hub)
+                events = RedisPersonEvents(store.redis, store.prefix)  # pages hear of every process's changes
+                hub = RedisTurnHub(turns, store, events)  # Stop and re-attach reach turns running in other processes
+            app.state.chat = State(active, store, turns, attachments, hub=hub, events=events)
             turns.tool_runtime = app.state.chat.tool_runtime
             turns.lineup = app.state.chat.lineup
             try:
                 yield
             finally:
                 await app.state.chat.hub.close()  # running turns save what arrived before the store closes
+                await events.close()
                 if expiry is not None:
                     expiry.cancel()
                 await store.flush()
@@ -130,7 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes):
+                   exchange_routes, live):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app

@@ -29,6 +29,7 @@ import anyio
 
 from checkpoints import keep_checkpoints
 from events import TurnDone
+from person_events import PersonEvents, tell_turn
 from storage import NotFound, StoreUnavailable
 from streaming import encode
 from turns import Turn, Turns
@@ -193,8 +194,9 @@ class TurnHub(Protocol):
 class LocalTurnHub:
     """Turns of this process, their logs in its memory."""
 
-    def __init__(self, turns: Turns) -> None:
+    def __init__(self, turns: Turns, events: PersonEvents | None = None) -> None:
         self.turns = turns
+        self.events = events if events is not None else PersonEvents()
         self._latest: dict[str, RunningTurn] = {}  # per conversation: its running turn, or the last one kept
         self._running: set[RunningTurn] = set()
 
@@ -205,10 +207,12 @@ class LocalTurnHub:
         running.task = asyncio.create_task(running.drive(self.turns, self.turns.settings.checkpoint_seconds),
                                            name=f"turn {turn.conv_id}")
         running.task.add_done_callback(lambda _: self._ended(running))
+        tell_turn(self.events, turn.store.owner, turn.conv_id, started=True)
         return running
 
     def _ended(self, running: RunningTurn) -> None:
         self._running.discard(running)
+        tell_turn(self.events, running.turn.store.owner, running.conv_id, started=False)  # released by now
         if not running.task.cancelled() and (exc := running.task.exception()) is not None:
             log.error("the turn on %s broke: %r", running.conv_id, exc)
         asyncio.get_running_loop().call_later(KEEP_AFTER_END, self._forget, running)

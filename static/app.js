@@ -7,6 +7,7 @@ import { branchSwitcher } from "./branches.js";
 import { showAccountLogin, startAuth } from "./auth.js";
 import { Files } from "./files.js";
 import { SearchBox } from "./search.js";
+import { listen } from "./live.js";
 import { followTurn } from "./sse.js";
 import { SettingsPanel } from "./settings.js";
 import { UNTITLED, button, node, tierLabel } from "./ui.js";
@@ -64,6 +65,12 @@ const state = {
   renaming: null,
   // True while the list's items are being replaced: the blur that causes is not the person leaving.
   redrawingList: false,
+  // Conversations this page is deleting: the server's word that they are gone is no news here.
+  deleting: new Set(),
+  // The conversation whose turn this page read to its end: the server's "ended" is no news either.
+  readToEnd: null,
+  // The conversation whose reply this page stopped reading (Stop): drawn once the server has saved it.
+  awaitingSave: null,
 };
 
 const settings = new SettingsPanel({
@@ -143,16 +150,62 @@ async function loadList() {
   // A server without archiving has no archived view: the list is everything.
   state.conversations = state.archivedView && state.organizes ? list.filter((c) => c.archived) : list;
   renderList();
-  watchRunningTurns();
 }
 
-let listTimer = null;
+// ---------------------------------------------------------------- what the server tells
 
-/** While a conversation the page is not following has a running turn, re-read the list now and then. */
-function watchRunningTurns() {
-  clearTimeout(listTimer);
-  const elsewhere = state.conversations.some((c) => c.streaming && c.id !== state.turn?.convId);
-  if (elsewhere) listTimer = setTimeout(() => loadList().catch(() => {}), 2000);
+/** Pinned first, then the newest last message first: the list's order on the server too. */
+function sortList() {
+  state.conversations.sort((a, b) => (b.last_message_at || "").localeCompare(a.last_message_at || ""));
+  state.conversations.sort((a, b) => Number(!!b.pinned) - Number(!!a.pinned));
+}
+
+/** A conversation changed (here, in another tab, on another device): its row and header follow. */
+function onConversation(change) {
+  const entry = state.conversations.find((c) => c.id === change.id);
+  if (entry) Object.assign(entry, change);
+  else if ("title" in change) state.conversations.push({ streaming: false, ...change });
+  else return; // a turn on a conversation not listed here (another view): nothing to show
+  const listed = state.conversations.find((c) => c.id === change.id);
+  if (!!listed.archived !== state.archivedView) {
+    state.conversations = state.conversations.filter((c) => c.id !== change.id);
+  }
+  sortList();
+  renderList();
+  if (state.conv?.id === change.id && "title" in change && change.title !== state.conv.title) {
+    state.conv.title = change.title;
+    renderHeader();
+    // A generated title comes with its call's spend, which the header shows apart: read it.
+    if (!state.turn) refresh({ transcript: false }).catch(showError);
+  }
+}
+
+function onDeleted({ id }) {
+  state.conversations = state.conversations.filter((c) => c.id !== id);
+  renderList();
+  if (state.conv?.id === id && !state.deleting.has(id)) {
+    toast("This conversation was deleted in another window.");
+    leaveDeleted(id).catch(showError);
+  }
+}
+
+/** A turn began or ended where this page is not reading it: show it as it is now. */
+function onTurn({ id, state: phase }) {
+  if (state.conv?.id !== id || state.turn) return;
+  if (phase === "ended" && state.readToEnd === id && state.awaitingSave !== id) {
+    state.readToEnd = null; // this page read the turn to its `done` and drew the saved reply then
+    return;
+  }
+  state.awaitingSave = null;
+  refresh()
+    .then(() => {
+      if (phase === "started" && state.conv?.id === id && state.conv.streaming) return follow(state.conv);
+    })
+    .catch(showError);
+}
+
+function reconnected() {
+  (state.conv ? refresh() : loadList()).catch(showError);
 }
 
 /** Re-read the open conversation (and the list) from the server, the source of truth. */
@@ -415,7 +468,17 @@ function disarmDelete(button) {
 async function deleteConversation(id) {
   // The server stops a running turn before it deletes.
   if (state.turn?.convId === id) detach();
-  await api.deleteConversation(id);
+  state.deleting.add(id);
+  try {
+    await api.deleteConversation(id);
+    await leaveDeleted(id);
+  } finally {
+    state.deleting.delete(id);
+  }
+}
+
+/** After a conversation is gone: forget its draft, and open another if it was the open one. */
+async function leaveDeleted(id) {
   localStorage.removeItem(draftKey(id));
   await loadList();
   if (state.conv?.id !== id) return;
@@ -764,8 +827,6 @@ async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] 
   let outcome;
   try {
     const res = await openTurn(conv.id, kind, body, turn.controller.signal);
-    // The list marks conversations with a running turn: this one now has one.
-    loadList().catch(() => {});
     outcome = await readTurn(turn, res, 0);
   } catch (err) {
     if (err.name === "AbortError") outcome = { type: "aborted" };
@@ -815,6 +876,7 @@ async function readTurn(turn, res, lastId) {
 
 async function endTurn(turn, outcome, text) {
   if (turn.detached) return;
+  state.readToEnd = turn.convId;
   if (state.turn === turn) {
     state.turn = null;
     setStreaming(false);
@@ -870,8 +932,6 @@ async function settleTurn(turn, outcome, text) {
       } finally {
         if (view.el.isConnected) finish();
       }
-      const replies = state.conv?.messages.filter((m) => m.role === "assistant").length;
-      if (state.conv?.title_source === "auto" && replies === 1) awaitTitle(turn.convId);
       return;
     }
     case "ended":
@@ -884,9 +944,11 @@ async function settleTurn(turn, outcome, text) {
       // stopped before its first word: it was billed); the page shows the same result now and
       // re-reads the conversation when the server is done.
       view.setFinal("interrupted");
+      // The saved reply is drawn when the server says the turn has ended (onTurn).
       if (here) {
+        state.awaitingSave = turn.convId;
         renderRegenerate();
-        syncAfterStop(turn.convId);
+        refresh().catch(showError); // the server may have let it go already: then no word is coming
       }
       return;
     case "error": {
@@ -949,51 +1011,9 @@ async function settleTurn(turn, outcome, text) {
   }
 }
 
-/**
- * The title the summarizer gives after the first reply arrives in the background: look for it a
- * few times over a few seconds, then leave the first-line title be.
- */
-async function awaitTitle(convId) {
-  for (let attempt = 1; attempt <= 6; attempt++) {
-    await new Promise((resolve) => setTimeout(resolve, 500 * attempt));
-    const conv = await api.conversation(convId).catch(() => null);
-    if (!conv || conv.title_source === "auto") continue;
-    const entry = state.conversations.find((c) => c.id === convId);
-    if (entry) {
-      entry.title = conv.title;
-      renderList();
-    }
-    if (state.conv?.id === convId && !state.turn) {
-      state.conv.title = conv.title;
-      state.conv.title_source = conv.title_source;
-      state.conv.totals = conv.totals;  // the title call's spend, shown apart in the header
-      renderHeader();
-    }
-    return;
-  }
-}
-
 /** A first message that failed leaves its conversation empty: "+ New" may take it again. */
 function noteIfLeftEmpty(convId) {
   if (state.conv?.id === convId && !state.conv.messages?.length) state.reusable.add(convId);
-}
-
-/** Wait (briefly) for the server to finish saving a stopped turn, then show its saved state. */
-async function syncAfterStop(convId) {
-  for (let attempt = 0; attempt < 20; attempt++) {
-    await new Promise((resolve) => setTimeout(resolve, 150));
-    if (state.turn || state.conv?.id !== convId) return;
-    const conv = await api.conversation(convId).catch(() => null);
-    if (!conv) return;
-    if (!conv.streaming) {
-      if (state.turn || state.conv?.id !== convId) return;
-      state.conv = conv;
-      renderHeader();
-      renderTranscript();
-      loadList().catch(showError);
-      return;
-    }
-  }
 }
 
 // ---------------------------------------------------------------- failures
@@ -1420,6 +1440,7 @@ function wire() {
 
 async function boot() {
   wire();
+  listen({ conversation: onConversation, deleted: onDeleted, turn: onTurn, reconnected });
   const [health, presets, tools] = await Promise.all([
     api.health().catch(() => null),
     api.presets().catch(() => []),
