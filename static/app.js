@@ -50,6 +50,8 @@ const state = {
   // Whether the server knows `pinned`/`archived` (its list entries carry them); null until read.
   organizes: null,
   conv: null,
+  // The conversation being opened (its id) until it is on screen: a send waits for it.
+  opening: null,
   // The turn this page follows now: {convId, controller, view, userEl}. The turn itself runs on
   // the server: leaving it only stops the reading.
   turn: null,
@@ -166,21 +168,46 @@ async function refresh({ transcript = true } = {}) {
   if (transcript) renderTranscript();
 }
 
-async function openConversation(id) {
+/**
+ * Open conversation `id`. `address` says what the address bar does: "push" a history entry (the
+ * person opened it here, so Back returns), "replace" the current one, or "keep" it (it already
+ * names `id`: typed, pasted, Back or Forward). An id that is no conversation of this person's
+ * shows "not found" rather than another conversation.
+ */
+async function openConversation(id, { address = "push" } = {}) {
   if (id === state.conv?.id) {
     closeSidebar();
     return;
   }
+  state.opening = id;
+  try {
+    await showConversation(id, address);
+  } finally {
+    if (state.opening === id) state.opening = null;
+  }
+}
+
+async function showConversation(id, address) {
   // Leaving a conversation mid-reply only stops following it: the reply goes on on the server.
   const running = state.turn?.convId;
+  let conv;
+  try {
+    conv = await api.conversation(id);
+  } catch (err) {
+    if (err.status !== 404 || state.opening !== id) throw err;
+    await showNotFound(id, address);
+    return;
+  }
+  if (state.opening !== id) return; // another conversation was asked for meanwhile
   detach();
   clearFailure();
-  const conv = await api.conversation(id);
   const left = state.conv;
   state.conv = conv;
-  if (left?.id !== running) await discardIfUntouched(left);
+  setMissing(false);
+  const discarded = left?.id !== running && (await discardIfUntouched(left));
   await files.load(id);
-  history.replaceState(null, "", `#${encodeURIComponent(id)}`);
+  // A conversation just discarded leaves no history entry to come Back to.
+  showAddress(id, discarded && address === "push" ? "replace" : address);
   el.composer.value = localStorage.getItem(draftKey(id)) || "";
   autosize();
   renderHeader();
@@ -196,11 +223,11 @@ async function openConversation(id) {
  * no draft, no change since it was made), else a new one. So "+ New" clicked again and again, or
  * after a first message that failed, does not pile up empty conversations.
  */
-async function newConversation() {
+async function newConversation({ address = "push" } = {}) {
   if (state.archivedView) await showArchived(false);
   const conv = (await findUntouched()) ?? (await api.createConversation({ model: el.picker.value || undefined }));
   await loadList();
-  await openConversation(conv.id);
+  await openConversation(conv.id, { address });
   el.composer.focus();
   // For tests: counts finished "+ New" actions, whether they made a conversation or reused one.
   document.body.dataset.newCount = String(Number(document.body.dataset.newCount || 0) + 1);
@@ -211,19 +238,66 @@ async function newConversation() {
  * person opens another one: empty conversations never pile up in the list.
  */
 async function discardIfUntouched(conv) {
-  if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return;
-  if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return;
+  if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return false;
+  if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return false;
   // The page's copy may predate a message sent since: the list entry is newer.
   const entry = state.conversations.find((c) => c.id === conv.id);
-  if (!isUntouched(conv) || entry?.streaming || entry?.message_count) return;
+  if (!isUntouched(conv) || entry?.streaming || entry?.message_count) return false;
   try {
     await api.deleteConversation(conv.id);
   } catch {
-    return; // it stays; nothing is lost
+    return false; // it stays; nothing is lost
   }
   state.reusable.delete(conv.id);
   state.conversations = state.conversations.filter((c) => c.id !== conv.id);
   renderList();
+  return true;
+}
+
+// ---------------------------------------------------------------- the address
+
+/** Make the address name conversation `id`: "push" a history entry, "replace" the current one, or "keep" it. */
+function showAddress(id, address) {
+  const hash = `#${encodeURIComponent(id)}`;
+  if (address === "keep" || location.hash === hash) return;
+  if (address === "replace") history.replaceState(null, "", hash);
+  else history.pushState(null, "", hash);
+}
+
+/** The address changed under the page (typed, pasted, a link, Back, Forward): open what it names. */
+function followAddress() {
+  const id = hashId();
+  if (!id || id === state.conv?.id || id === state.opening) return;
+  openConversation(id, { address: "keep" }).catch(showError);
+}
+
+/**
+ * The address names no conversation of this person's (deleted, mistyped, someone else's): say so,
+ * instead of showing another conversation a message would then be sent to.
+ */
+async function showNotFound(id, address) {
+  detach();
+  clearFailure();
+  const left = state.conv;
+  state.conv = null;
+  await discardIfUntouched(left);
+  await files.load(null);
+  if (address !== "keep") showAddress(id, address);
+  el.composer.value = "";
+  setMissing(true);
+  renderHeader();
+  el.title.textContent = "Conversation not found";
+  renderTranscript();
+  renderList();
+  closeSidebar();
+}
+
+/** Whether the page shows "not found": nothing to send to, so the composer waits. */
+function setMissing(missing) {
+  $("not-found").hidden = !missing;
+  el.composer.disabled = missing;
+  el.send.disabled = missing;
+  $("attach").disabled = missing;
 }
 
 // The server names a new conversation with the same words the page shows for no title.
@@ -420,8 +494,9 @@ async function deleteConversation(id) {
   await loadList();
   if (state.conv?.id !== id) return;
   state.conv = null;
-  if (state.conversations.length) await openConversation(state.conversations[0].id);
-  else await newConversation();
+  // The deleted conversation's history entry becomes the one opened instead.
+  if (state.conversations.length) await openConversation(state.conversations[0].id, { address: "replace" });
+  else await newConversation({ address: "replace" });
 }
 
 /** PATCH pinned/archived; a server that refuses the fields loses the controls, not the person's time. */
@@ -518,7 +593,7 @@ function renderTranscript() {
   // shown whole, a reply's trail (the re-read after a reply often lands just after such a click).
   if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
   const opened = openedMessages();
-  const live = state.turn?.convId === state.conv?.id ? state.turn.view : null;
+  const live = state.turn && state.turn.convId === state.conv?.id ? state.turn.view : null;
   const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id)
     .map((m) => reopen(decorate(m, renderMessage(m, options)), opened));
   el.messages.replaceChildren(...(archive ? [archive] : []), ...shown, ...(live ? [live.el] : []));
@@ -638,7 +713,7 @@ async function resendEdited(m, text) {
 
 /** An empty conversation greets with what this is and a few prompts to start from. */
 function renderGreeting() {
-  el.greeting.hidden = !!(state.turn || state.conv?.messages?.length || state.conv?.archive?.length);
+  el.greeting.hidden = !!(!state.conv || state.turn || state.conv.messages?.length || state.conv.archive?.length);
 }
 
 /**
@@ -678,7 +753,8 @@ function scrollToBottom(force = false) {
 
 async function send() {
   const text = el.composer.value;
-  if (state.turn || !state.conv || !text.trim()) return;
+  // While another conversation is being opened, the one on screen is not where the address points.
+  if (state.turn || !state.conv || state.opening || !text.trim()) return;
   if (files.uploading) {
     toast("A file is still uploading: send once its chip is ready.");
     return;
@@ -1376,6 +1452,10 @@ function wire() {
     el.app.classList.contains("sidebar-open") ? closeSidebar() : openSidebar());
   el.scrim.addEventListener("click", closeSidebar);
   document.addEventListener("keydown", onShortcut);
+  // Back and Forward between conversations fire popstate, a typed or pasted #id hashchange.
+  window.addEventListener("hashchange", followAddress);
+  window.addEventListener("popstate", followAddress);
+  $("not-found-new").addEventListener("click", () => newConversation().catch(showError));
   $("search-open").addEventListener("click", () => search.show());
   $("files-open").addEventListener("click", () => files.openPanel().catch(showError));
   $("import").addEventListener("click", () => $("import-input").click());
@@ -1427,9 +1507,9 @@ async function boot() {
   state.tools = tools;
   el.banner.hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
   const wanted = hashId();
-  const target = state.conversations.find((c) => c.id === wanted) || state.conversations[0];
-  if (target) await openConversation(target.id);
-  else await newConversation();
+  const target = wanted || state.conversations[0]?.id;
+  if (target) await openConversation(target, { address: "replace" });
+  else await newConversation({ address: "replace" });
   el.composer.focus();
   document.body.dataset.ready = "true";
 }
