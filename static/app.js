@@ -844,10 +844,37 @@ async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] 
     outcome = await readTurn(turn, res, 0);
   } catch (err) {
     if (err.name === "AbortError") outcome = { type: "aborted" };
+    else if (err instanceof ApiError && err.status === 409) outcome = { type: "busy", error: err };
     else if (err instanceof ApiError) outcome = { type: "rejected", error: err };
     else outcome = { type: "lost", error: err };
   }
   await endTurn(turn, outcome, text);
+}
+
+/**
+ * A 409 on sending: is a reply being written here that this page does not follow (started in
+ * another tab, on another device)? Then show it as it streams, with Stop, and keep what the person
+ * typed in the composer for when it ends. False when no such reply runs (the 409 was another one).
+ */
+async function joinRunningTurn(turn, text) {
+  const conv = await api.conversation(turn.convId).catch(() => null);
+  const reply = conv?.messages.find((m) => m.id === conv.turn?.assistant_message_id);
+  // Right after a reply's `done` its turn may hold the conversation a moment longer: not a reply to show.
+  if (!conv?.streaming || (reply && reply.status !== "streaming")) return false;
+  turn.userEl?.remove();
+  turn.view.el.remove();
+  if (text != null) {
+    returnDraft(turn.convId, text);
+    files.restore(turn.convId, turn.sentFiles);
+  }
+  if (state.conv?.id !== turn.convId || state.turn) return true;
+  state.conv = conv;
+  renderHeader();
+  renderTranscript();
+  toast("A reply is already being written here (in another tab or on another device). " +
+    (text != null ? "Your message waits in the composer until it ends." : "Stop it, or wait for it to end."));
+  follow(conv).catch(showError);
+  return true;
 }
 
 /**
@@ -982,6 +1009,9 @@ async function settleTurn(turn, outcome, text) {
       noteIfLeftEmpty(turn.convId);
       return;
     }
+    case "busy":
+      if (await joinRunningTurn(turn, text)) return;
+      return settleTurn(turn, { ...outcome, type: "rejected" }, text);
     case "rejected": {
       // The server refused the request itself (e.g. too long, busy): nothing was saved. Sending
       // the same again only helps when the server was busy or failed, not when it said no.
