@@ -759,6 +759,13 @@ async function send() {
     toast("A file is still uploading: send once its chip is ready.");
     return;
   }
+  const failed = files.failed();
+  if (failed.length) {
+    // Sending now would leave the file out without a word: the message waits until the person chooses.
+    const names = failed.map((p) => p.file.name).join(", ");
+    toast(`Not sent: ${names} could not be attached (${failed[0].error}). Remove its chip (✕) to send without it, or attach it again.`);
+    return;
+  }
   clearFailure();
   setComposer("");
   const sentFiles = files.ready();
