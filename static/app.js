@@ -347,7 +347,7 @@ function renderList() {
   const selection = typing && [typing.selectionStart, typing.selectionEnd, typing.selectionDirection];
   state.redrawingList = true;
   try {
-    el.list.replaceChildren(...state.conversations.map(renderListItem));
+    el.list.replaceChildren(...state.conversations.filter(listed).map(renderListItem));
   } finally {
     state.redrawingList = false;
   }
@@ -365,6 +365,15 @@ function renderList() {
   if (state.archivedView && !state.conversations.length) {
     el.list.append(node("li", "faint conv-empty", "No archived conversations."));
   }
+}
+
+/**
+ * An empty "New conversation" is listed only where it is open or has a draft: one another browser
+ * or tab just made is nobody's business here until it has a message (as in other chat apps).
+ */
+function listed(c) {
+  return !!(c.message_count || !untitled(c.title) || c.pinned || c.streaming || c.id === state.conv?.id ||
+    localStorage.getItem(draftKey(c.id)));
 }
 
 function renderListItem(c) {
@@ -1544,7 +1553,7 @@ async function boot() {
   state.tools = tools;
   el.banner.hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
   const wanted = hashId();
-  const target = wanted || state.conversations[0]?.id;
+  const target = wanted || state.conversations.find(listed)?.id;
   if (target) await openConversation(target, { address: "replace" });
   else await newConversation({ address: "replace" });
   el.composer.focus();
