@@ -150,9 +150,10 @@ class Passage:
     label: str
     text: str
     source: str
+    cited_as: str
 
     def citation(self) -> dict:
-        return {"attachment_id": self.attachment_id, "name": self.name, "page": self.page}
+        return {"attachment_id": self.attachment_id, "name": self.name, "page": self.page, "label": self.cited_as}
 
 
 @dataclass(slots=True)
@@ -242,6 +243,15 @@ def _clean(text: str) -> str:
 
 def _section(page: int, label: str, text: str) -> dict:
     return {"page": page, "label": label, "text": text}
+
+
+def cited_as(meta: dict, section: dict) -> str:
+    """Where a passage is, as a person reads it on a citation chip: "p. 3" (PDF), "lines 40-80"
+    (text), "§ Budget" or "section 2" (DOCX, by its heading when it has one)."""
+    label = section["label"]
+    if meta.get("media_type") == MEDIA_DOCX and label != f"section {section['page']}":
+        return f"§ {label}"
+    return label
 
 
 def extract_pdf(path: Path, max_pages: int, cancelled: threading.Event) -> tuple[list[dict], int]:
@@ -636,7 +646,7 @@ class Attachments:
                 for page in pages:
                     for text in split_passages(page["text"]):
                         passages.append(Passage(meta["id"], meta["name"], page["page"], page["label"],
-                                                text, scope.source))
+                                                text, scope.source, cited_as(meta, page)))
         return SearchIndex(passages)
 
     def close(self) -> None:
@@ -808,7 +818,8 @@ async def read_attachment(name: str, start_page: int = 1,
     span = f"{shown[0]}" if len(shown) == 1 else f"{shown[0]}-{shown[-1]}"
     return AttachmentToolResult(
         text, f"read {meta['name']} {'p.' if meta.get('pages') is not None else '§'} {span}",
-        [{"attachment_id": meta["id"], "name": meta["name"], "page": n} for n in shown],
+        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "label": cited_as(meta, p)}
+         for p in pages[start - 1:start - 1 + len(shown)]],
         [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "text": p["text"],
           "source": where.source} for p in pages[start - 1:start - 1 + len(shown)]],
     )

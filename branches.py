@@ -14,6 +14,10 @@ Promises:
   `archive` and `summary`. So the summary never describes messages that are not on the path, and
   switching back restores the folded state exactly. The measured prompt (`last_prompt_tokens`)
   was another path's: it is cleared.
+- Each switch first notes, for every message of the path it leaves, which child was on it
+  (`last_child`), and descending follows those notes: going back to an older version returns to
+  the path last viewed under it, not to its most recent child. A child the notes do not name
+  (never viewed, an import, a rewind) is the most recent one.
 
 It changes conversation dicts in place (inside `Store.update`) and knows nothing of turns or HTTP.
 """
@@ -119,16 +123,26 @@ def record_fold(conv: dict) -> None:
         conv.setdefault("folds", []).append({"through": archive[-1]["id"], "summary": conv.get("summary", "")})
 
 
+def _note_path(conv: dict, parent_of: dict[str, str | None]) -> dict[str, str]:
+    """Remember the current path's child of each of its messages (`last_child`), for `switch` to return to."""
+    last_child = conv.setdefault("last_child", {})
+    for m in path_items(conv):
+        if is_node(m) and parent_of.get(m["id"]) is not None:
+            last_child[parent_of[m["id"]]] = m["id"]
+    return last_child
+
+
 def switch(conv: dict, leaf: str | None, *, descend: bool) -> bool:
     """Make the path to `leaf` current (None: the empty path, before the first message).
 
-    `descend`: then follow the most recent child at each level below `leaf`, to a leaf of the
-    tree. Returns whether the path changed. UnknownMessage when `leaf` is not a user or
-    assistant message of this conversation.
+    `descend`: then follow, at each level below `leaf`, the child last on the path there
+    (`last_child`), else the most recent one, to a leaf of the tree. Returns whether the path
+    changed. UnknownMessage when `leaf` is not a user or assistant message of this conversation.
     """
     folds = _fold_records(conv)
     items = path_items(conv)
     parent_of = parents(conv)
+    last_child = _note_path(conv, parent_of)
     by_id = {m["id"]: m for m in items + (conv.get("off_path") or [])}
     if leaf is not None and (leaf not in by_id or not is_node(by_id[leaf])):
         raise UnknownMessage(leaf)
@@ -140,8 +154,9 @@ def switch(conv: dict, leaf: str | None, *, descend: bool) -> bool:
     chain.reverse()
     if descend and leaf is not None:
         children = _children(conv, parent_of)
-        while children.get(chain[-1]):
-            chain.append(children[chain[-1]][-1]["id"])
+        while group := children.get(chain[-1]):
+            ids = [m["id"] for m in group]
+            chain.append(last_child[chain[-1]] if last_child.get(chain[-1]) in ids else ids[-1])
     on_chain = set(chain)
 
     # The current path stays up to its first message that is not on the new one.
@@ -204,6 +219,8 @@ def drop(conv: dict, ids: set[str]) -> None:
         conv["off_path"] = [m for m in conv["off_path"] if m["id"] not in ids]
     if conv.get("folds"):
         conv["folds"] = [f for f in conv["folds"] if f["through"] not in ids]
+    if conv.get("last_child"):
+        conv["last_child"] = {p: c for p, c in conv["last_child"].items() if p not in ids and c not in ids}
     conv["last_prompt_tokens"] = None
 
 

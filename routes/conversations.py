@@ -66,8 +66,9 @@ def default_settings(settings: Settings, preset_name: str | None, owner: str) ->
     }
 
 
-# Stored, never answered: the other branches (reachable through `branches`) and the fold records.
-PRIVATE_FIELDS = ("schema_version", "owner", "off_path", "folds")
+# Stored, never answered: the other branches (reachable through `branches`), the fold records and
+# the child last viewed under each message.
+PRIVATE_FIELDS = ("schema_version", "owner", "off_path", "folds", "last_child")
 
 
 def with_parents(messages: list[dict]) -> list[dict]:
@@ -243,7 +244,7 @@ async def regenerate(conv_id: str, state: StateDep, store: OwnerStoreDep, body: 
 
 @router.post("/{conv_id}/branch", response_model=Conversation)
 async def switch_branch(conv_id: str, body: BranchSwitch, state: StateDep, store: OwnerStoreDep) -> Response:
-    """Make the path through `message_id` current, following the most recent child below it."""
+    """Make the path through `message_id` current, following below it the path last viewed there."""
     lock = await store.lock_turn(conv_id)  # TurnBusy (409) while a turn runs
     try:
         conv = await store.get(conv_id)

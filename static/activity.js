@@ -241,7 +241,7 @@ function isAttachmentCitation(c) {
 
 /**
  * Numbered chips for the sources: web pages as domain links (non-http(s) URLs are left out),
- * attachment pages as "name p. N" (text: a file name is untrusted and never markup).
+ * attachment passages as "name label" (text: a file name is untrusted and never markup).
  */
 export function renderCitations(citations) {
   const safe = (citations || []).filter((c) => safeUrl(c.url) || isAttachmentCitation(c));
@@ -251,9 +251,11 @@ export function renderCitations(citations) {
   safe.forEach((c, i) => {
     let chip;
     if (isAttachmentCitation(c)) {
+      // The passage's own label ("p. 3", "lines 40-80", "§ Budget"); replies saved before labels were pages.
+      const where = typeof c.label === "string" && c.label ? c.label : `p. ${c.page}`;
       chip = node("span", "citation citation-file");
-      chip.title = `${c.name}, page ${c.page}`;
-      chip.append(node("span", "citation-n", String(i + 1)), node("span", "citation-domain", `${c.name} p. ${c.page}`));
+      chip.title = `${c.name}, ${where}`;
+      chip.append(node("span", "citation-n", String(i + 1)), node("span", "citation-domain", `${c.name} ${where}`));
     } else {
       chip = link(c.url, "");
       chip.className = "citation";

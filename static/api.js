@@ -137,9 +137,12 @@ export async function attachTurn(id, after, signal) {
   return res;
 }
 
-/** Open a turn stream (`messages` or `regenerate`) and return the Response for sse.js. */
+/**
+ * Open a turn stream (`messages` or `regenerate`) and return the Response for sse.js. A 409 (a
+ * turn already runs) is not retried: the page shows that turn instead.
+ */
 export async function openTurn(id, kind, body, signal) {
-  const res = await fetchRetryingBusy(`${conv(id)}/${kind}`, {
+  const res = await fetch(`${conv(id)}/${kind}`, {
     method: "POST",
     headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
     body: JSON.stringify(body),

@@ -51,6 +51,8 @@ const state = {
   // Whether the server knows `pinned`/`archived` (its list entries carry them); null until read.
   organizes: null,
   conv: null,
+  // The conversation being opened (its id) until it is on screen: a send waits for it.
+  opening: null,
   // The turn this page follows now: {convId, controller, view, userEl}. The turn itself runs on
   // the server: leaving it only stops the reading.
   turn: null,
@@ -219,21 +221,46 @@ async function refresh({ transcript = true } = {}) {
   if (transcript) renderTranscript();
 }
 
-async function openConversation(id) {
+/**
+ * Open conversation `id`. `address` says what the address bar does: "push" a history entry (the
+ * person opened it here, so Back returns), "replace" the current one, or "keep" it (it already
+ * names `id`: typed, pasted, Back or Forward). An id that is no conversation of this person's
+ * shows "not found" rather than another conversation.
+ */
+async function openConversation(id, { address = "push" } = {}) {
   if (id === state.conv?.id) {
     closeSidebar();
     return;
   }
+  state.opening = id;
+  try {
+    await showConversation(id, address);
+  } finally {
+    if (state.opening === id) state.opening = null;
+  }
+}
+
+async function showConversation(id, address) {
   // Leaving a conversation mid-reply only stops following it: the reply goes on on the server.
   const running = state.turn?.convId;
+  let conv;
+  try {
+    conv = await api.conversation(id);
+  } catch (err) {
+    if (err.status !== 404 || state.opening !== id) throw err;
+    await showNotFound(id, address);
+    return;
+  }
+  if (state.opening !== id) return; // another conversation was asked for meanwhile
   detach();
   clearFailure();
-  const conv = await api.conversation(id);
   const left = state.conv;
   state.conv = conv;
-  if (left?.id !== running) await discardIfUntouched(left);
+  setMissing(false);
+  const discarded = left?.id !== running && (await discardIfUntouched(left));
   await files.load(id);
-  history.replaceState(null, "", `#${encodeURIComponent(id)}`);
+  // A conversation just discarded leaves no history entry to come Back to.
+  showAddress(id, discarded && address === "push" ? "replace" : address);
   el.composer.value = localStorage.getItem(draftKey(id)) || "";
   autosize();
   renderHeader();
@@ -249,11 +276,11 @@ async function openConversation(id) {
  * no draft, no change since it was made), else a new one. So "+ New" clicked again and again, or
  * after a first message that failed, does not pile up empty conversations.
  */
-async function newConversation() {
+async function newConversation({ address = "push" } = {}) {
   if (state.archivedView) await showArchived(false);
   const conv = (await findUntouched()) ?? (await api.createConversation({ model: el.picker.value || undefined }));
   await loadList();
-  await openConversation(conv.id);
+  await openConversation(conv.id, { address });
   el.composer.focus();
   // For tests: counts finished "+ New" actions, whether they made a conversation or reused one.
   document.body.dataset.newCount = String(Number(document.body.dataset.newCount || 0) + 1);
@@ -264,19 +291,66 @@ async function newConversation() {
  * person opens another one: empty conversations never pile up in the list.
  */
 async function discardIfUntouched(conv) {
-  if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return;
-  if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return;
+  if (!conv || conv.id === state.conv?.id || state.turn?.convId === conv.id) return false;
+  if (localStorage.getItem(draftKey(conv.id)) || files.convId !== conv.id || files.count || files.pending.length) return false;
   // The page's copy may predate a message sent since: the list entry is newer.
   const entry = state.conversations.find((c) => c.id === conv.id);
-  if (!isUntouched(conv) || entry?.streaming || entry?.message_count) return;
+  if (!isUntouched(conv) || entry?.streaming || entry?.message_count) return false;
   try {
     await api.deleteConversation(conv.id);
   } catch {
-    return; // it stays; nothing is lost
+    return false; // it stays; nothing is lost
   }
   state.reusable.delete(conv.id);
   state.conversations = state.conversations.filter((c) => c.id !== conv.id);
   renderList();
+  return true;
+}
+
+// ---------------------------------------------------------------- the address
+
+/** Make the address name conversation `id`: "push" a history entry, "replace" the current one, or "keep" it. */
+function showAddress(id, address) {
+  const hash = `#${encodeURIComponent(id)}`;
+  if (address === "keep" || location.hash === hash) return;
+  if (address === "replace") history.replaceState(null, "", hash);
+  else history.pushState(null, "", hash);
+}
+
+/** The address changed under the page (typed, pasted, a link, Back, Forward): open what it names. */
+function followAddress() {
+  const id = hashId();
+  if (!id || id === state.conv?.id || id === state.opening) return;
+  openConversation(id, { address: "keep" }).catch(showError);
+}
+
+/**
+ * The address names no conversation of this person's (deleted, mistyped, someone else's): say so,
+ * instead of showing another conversation a message would then be sent to.
+ */
+async function showNotFound(id, address) {
+  detach();
+  clearFailure();
+  const left = state.conv;
+  state.conv = null;
+  await discardIfUntouched(left);
+  await files.load(null);
+  if (address !== "keep") showAddress(id, address);
+  el.composer.value = "";
+  setMissing(true);
+  renderHeader();
+  el.title.textContent = "Conversation not found";
+  renderTranscript();
+  renderList();
+  closeSidebar();
+}
+
+/** Whether the page shows "not found": nothing to send to, so the composer waits. */
+function setMissing(missing) {
+  $("not-found").hidden = !missing;
+  el.composer.disabled = missing;
+  el.send.disabled = missing;
+  $("attach").disabled = missing;
 }
 
 // The server names a new conversation with the same words the page shows for no title.
@@ -326,7 +400,7 @@ function renderList() {
   const selection = typing && [typing.selectionStart, typing.selectionEnd, typing.selectionDirection];
   state.redrawingList = true;
   try {
-    el.list.replaceChildren(...state.conversations.map(renderListItem));
+    el.list.replaceChildren(...state.conversations.filter(listed).map(renderListItem));
   } finally {
     state.redrawingList = false;
   }
@@ -344,6 +418,15 @@ function renderList() {
   if (state.archivedView && !state.conversations.length) {
     el.list.append(node("li", "faint conv-empty", "No archived conversations."));
   }
+}
+
+/**
+ * An empty "New conversation" is listed only where it is open or has a draft: one another browser
+ * or tab just made is nobody's business here until it has a message (as in other chat apps).
+ */
+function listed(c) {
+  return !!(c.message_count || !untitled(c.title) || c.pinned || c.streaming || c.id === state.conv?.id ||
+    localStorage.getItem(draftKey(c.id)));
 }
 
 function renderListItem(c) {
@@ -483,8 +566,9 @@ async function leaveDeleted(id) {
   await loadList();
   if (state.conv?.id !== id) return;
   state.conv = null;
-  if (state.conversations.length) await openConversation(state.conversations[0].id);
-  else await newConversation();
+  // The deleted conversation's history entry becomes the one opened instead.
+  if (state.conversations.length) await openConversation(state.conversations[0].id, { address: "replace" });
+  else await newConversation({ address: "replace" });
 }
 
 /** PATCH pinned/archived; a server that refuses the fields loses the controls, not the person's time. */
@@ -582,7 +666,7 @@ function renderTranscript() {
   // shown whole, a reply's trail (the re-read after a reply often lands just after such a click).
   if (archive && el.messages.querySelector("[data-test=folded]")?.open) archive.open = true;
   const opened = openedMessages();
-  const live = state.turn?.convId === state.conv?.id ? state.turn.view : null;
+  const live = state.turn && state.turn.convId === state.conv?.id ? state.turn.view : null;
   const shown = messages.filter((m) => !live || m.id !== live.el.dataset.id)
     .map((m) => reopen(decorate(m, renderMessage(m, options)), opened));
   el.messages.replaceChildren(...(archive ? [archive] : []), ...shown, ...(live ? [live.el] : []));
@@ -702,7 +786,7 @@ async function resendEdited(m, text) {
 
 /** An empty conversation greets with what this is and a few prompts to start from. */
 function renderGreeting() {
-  el.greeting.hidden = !!(state.turn || state.conv?.messages?.length || state.conv?.archive?.length);
+  el.greeting.hidden = !!(!state.conv || state.turn || state.conv.messages?.length || state.conv.archive?.length);
 }
 
 /**
@@ -742,9 +826,17 @@ function scrollToBottom(force = false) {
 
 async function send() {
   const text = el.composer.value;
-  if (state.turn || !state.conv || !text.trim()) return;
+  // While another conversation is being opened, the one on screen is not where the address points.
+  if (state.turn || !state.conv || state.opening || !text.trim()) return;
   if (files.uploading) {
     toast("A file is still uploading: send once its chip is ready.");
+    return;
+  }
+  const failed = files.failed();
+  if (failed.length) {
+    // Sending now would leave the file out without a word: the message waits until the person chooses.
+    const names = failed.map((p) => p.file.name).join(", ");
+    toast(`Not sent: ${names} could not be attached (${failed[0].error}). Remove its chip (✕) to send without it, or attach it again.`);
     return;
   }
   clearFailure();
@@ -830,10 +922,37 @@ async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] 
     outcome = await readTurn(turn, res, 0);
   } catch (err) {
     if (err.name === "AbortError") outcome = { type: "aborted" };
+    else if (err instanceof ApiError && err.status === 409) outcome = { type: "busy", error: err };
     else if (err instanceof ApiError) outcome = { type: "rejected", error: err };
     else outcome = { type: "lost", error: err };
   }
   await endTurn(turn, outcome, text);
+}
+
+/**
+ * A 409 on sending: is a reply being written here that this page does not follow (started in
+ * another tab, on another device)? Then show it as it streams, with Stop, and keep what the person
+ * typed in the composer for when it ends. False when no such reply runs (the 409 was another one).
+ */
+async function joinRunningTurn(turn, text) {
+  const conv = await api.conversation(turn.convId).catch(() => null);
+  const reply = conv?.messages.find((m) => m.id === conv.turn?.assistant_message_id);
+  // Right after a reply's `done` its turn may hold the conversation a moment longer: not a reply to show.
+  if (!conv?.streaming || (reply && reply.status !== "streaming")) return false;
+  turn.userEl?.remove();
+  turn.view.el.remove();
+  if (text != null) {
+    returnDraft(turn.convId, text);
+    files.restore(turn.convId, turn.sentFiles);
+  }
+  if (state.conv?.id !== turn.convId || state.turn) return true;
+  state.conv = conv;
+  renderHeader();
+  renderTranscript();
+  toast("A reply is already being written here (in another tab or on another device). " +
+    (text != null ? "Your message waits in the composer until it ends." : "Stop it, or wait for it to end."));
+  follow(conv).catch(showError);
+  return true;
 }
 
 /**
@@ -969,6 +1088,9 @@ async function settleTurn(turn, outcome, text) {
       noteIfLeftEmpty(turn.convId);
       return;
     }
+    case "busy":
+      if (await joinRunningTurn(turn, text)) return;
+      return settleTurn(turn, { ...outcome, type: "rejected" }, text);
     case "rejected": {
       // The server refused the request itself (e.g. too long, busy): nothing was saved. Sending
       // the same again only helps when the server was busy or failed, not when it said no.
@@ -1401,6 +1523,10 @@ function wire() {
     el.app.classList.contains("sidebar-open") ? closeSidebar() : openSidebar());
   el.scrim.addEventListener("click", closeSidebar);
   document.addEventListener("keydown", onShortcut);
+  // Back and Forward between conversations fire popstate, a typed or pasted #id hashchange.
+  window.addEventListener("hashchange", followAddress);
+  window.addEventListener("popstate", followAddress);
+  $("not-found-new").addEventListener("click", () => newConversation().catch(showError));
   $("search-open").addEventListener("click", () => search.show());
   $("files-open").addEventListener("click", () => files.openPanel().catch(showError));
   $("import").addEventListener("click", () => $("import-input").click());
@@ -1453,9 +1579,9 @@ async function boot() {
   state.tools = tools;
   el.banner.hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
   const wanted = hashId();
-  const target = state.conversations.find((c) => c.id === wanted) || state.conversations[0];
-  if (target) await openConversation(target.id);
-  else await newConversation();
+  const target = wanted || state.conversations.find(listed)?.id;
+  if (target) await openConversation(target, { address: "replace" });
+  else await newConversation({ address: "replace" });
   el.composer.focus();
   document.body.dataset.ready = "true";
 }

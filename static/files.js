@@ -123,6 +123,11 @@ export class Files {
     this.renderStrip();
   }
 
+  /** The chips whose upload failed: sending would leave their files out. */
+  failed() {
+    return this.pending.filter((p) => p.error);
+  }
+
   get uploading() {
     return this.pending.some((p) => !p.meta && !p.error);
   }

@@ -170,10 +170,10 @@ async def test_search_finds_the_answer_on_page_7_and_reads_it(api, client, app):
     assert (top["attachment_id"], top["name"], top["page"], top["source"]) == \
         (report["id"], "report.pdf", 7, "conversation")
     assert "fourteen months" in top["text"]
-    assert result.citations[0] == {"attachment_id": report["id"], "name": "report.pdf", "page": 7}
+    assert result.citations[0] == {"attachment_id": report["id"], "name": "report.pdf", "page": 7, "label": "p. 7"}
     assert "report.pdf p. 7" in result.text
     assert "fourteen months" in read.text and "cafeteria" not in read.text
-    assert read.citations == [{"attachment_id": report["id"], "name": "report.pdf", "page": 7}]
+    assert read.citations == [{"attachment_id": report["id"], "name": "report.pdf", "page": 7, "label": "p. 7"}]
 
 
 @pytest.mark.skipif(not CJK_FONT.exists(), reason="needs fonts-noto-cjk for a CJK PDF")
@@ -409,6 +409,7 @@ async def test_library_routes_and_docx_sections(client, app):
         read = await read_attachment("NOTES.DOCX", 2)
         listing = attachment_listing(att.attachment_scope.get())
     assert found.passages[0]["source"] == "library" and "notes.docx §2 (Budget)" in found.text
+    assert found.citations[0]["label"] == "§ Budget" and read.citations[0]["label"] == "§ Budget"
     assert "40,000 euros" in read.text and "spring" not in read.text
     assert "Files in the person's library:\n- notes.docx (2 sections)" in listing
     assert store(app).check_ids(att.library_scope("local"), [stored["id"]]) == [stored["id"]]

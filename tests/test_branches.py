@@ -216,6 +216,29 @@ async def test_rewind_takes_back_the_message_with_all_its_answers(api, client, s
 
 # --- Switching ---------------------------------------------------------------------------------------
 
+async def test_going_back_to_an_older_version_returns_to_the_path_last_viewed_under_it(api, client, sim, conv):
+    """Switching back to version 1 of a message showed the most recent child at each level, so a
+    thread continued under an older version of a later message seemed lost."""
+    cid = conv["id"]
+    await talk(api, sim, cid, 2)
+    first_q, _, second_q, _ = (await api.get(cid))["messages"]
+    sim.enqueue(reply("answer to the edit"))
+    await send_from(client, cid, second_q["parent_id"], "question 2, edited")
+    await switch(client, cid, second_q["id"])  # back to version 1 of question 2, and on from there
+    sim.enqueue(reply("answer 3"))
+    await api.send(cid, "question 3")
+    viewed = texts(await api.get(cid))
+    sim.enqueue(reply("answer to another first question"))
+    await send_from(client, cid, None, "question 1, edited")
+
+    back = await switch(client, cid, first_q["id"])
+
+    assert texts(back) == viewed == ["question 1", "answer 1", "question 2", "answer 2", "question 3", "answer 3"]
+    assert "last_child" not in back
+    forward = await switch(client, cid, back["branches"][first_q["id"]][1])
+    assert texts(forward) == ["question 1, edited", "answer to another first question"]
+
+
 async def test_the_branch_route_refuses_unknown_messages_and_running_turns(api, app, client, sim, conv):
     cid = conv["id"]
     await talk(api, sim, cid, 1)

@@ -50,3 +50,33 @@ def test_drop_a_pdf_ask_about_it_and_see_the_search_and_the_page_chip(page, serv
     page.reload()
     reply = assistant_messages(page).last
     expect(reply.get_by_test_id("citation")).to_have_text(["1report.pdf p. 7"])
+
+
+def test_sending_while_a_chip_shows_an_error_says_so_and_keeps_the_message(page, server, sim):
+    """The message went out and the file that failed to upload was dropped without a word."""
+    conv_id = conversation_id(page)
+    drop_file(page, "#transcript", "tool.exe", b"MZ\x90\x00\x03binary", "application/octet-stream")
+    chip = page.get_by_test_id("composer-attachments").get_by_test_id("attachment-chip")
+    expect(chip).to_have_attribute("data-state", "error")
+
+    send(page, "What does the file say?")
+
+    expect(page.get_by_test_id("toast")).to_contain_text("tool.exe could not be attached")
+    expect(page.get_by_test_id("composer")).to_have_value("What does the file say?")
+    expect(chip).to_have_attribute("data-state", "error")
+    assert server.conversation(conv_id)["messages"] == [] and sim.requests == []
+
+
+def test_a_text_file_is_cited_by_its_lines_not_as_a_page(page, server, sim):
+    """Every attachment chip said "p. N", also for a text file's lines and a DOCX section."""
+    drop_file(page, "#transcript", "notes.txt", b"Shopping list.\nThe ferry leaves at noon.\n", "text/plain")
+    chip = page.get_by_test_id("composer-attachments").get_by_test_id("attachment-chip")
+    expect(chip).to_have_attribute("data-state", "ready")
+    sim.enqueue(Script([steps.ToolCall("search_attachments", {"query": "ferry leaves"})]),
+                Script([steps.Text("At noon.")]))
+
+    send(page, "When does the ferry leave?")
+
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    expect(reply.get_by_test_id("citation")).to_have_text(["1notes.txt lines 1-3"])

@@ -52,7 +52,9 @@ def test_a_first_message_that_fails_leaves_no_extra_empty_conversation(page, ser
     assert len(conversation_ids(server)) == count
 
 
-def test_a_malformed_address_opens_the_latest_conversation(browser, server, page):
+def test_a_malformed_address_opens_the_latest_conversation(browser, server, page, sim):
+    sim.enqueue(Script([steps.Text("Kept.")]))
+    exchange(page, "Something to come back to")
     latest = conversation_ids(server)[0]
     other = open_page(browser, f"{server.base_url}/#%E0%A4%A")
     try:
@@ -306,3 +308,20 @@ def test_the_page_runs_under_a_strict_content_security_policy(browser, server, s
         assert violations == [] and errors == []
     finally:
         context.close()
+
+
+def test_an_empty_new_conversation_is_not_listed_in_another_browser(browser, server, page, sim):
+    """Another browser listed (and opened) the "New conversation" this one had just made."""
+    sim.enqueue(Script([steps.Text("Kept.")]))
+    exchange(page, "A conversation with a message")
+    used = conversation_id(page)
+    empty = new_conversation(page)
+    other = open_page(browser, server.base_url)
+    try:
+        entries = other.get_by_test_id("conversation-list").locator("li")
+        expect(entries.filter(has_text="A conversation with a message")).to_have_count(1)
+        assert conversation_id(other) == used
+        expect(other.get_by_test_id("conversation-list").locator(f"li[data-id='{empty}']")).to_have_count(0)
+        expect(page.get_by_test_id("conversation-list").locator(f"li[data-id='{empty}']")).to_have_count(1)
+    finally:
+        other.context.close()

@@ -133,3 +133,33 @@ def test_a_search_hit_on_another_branch_opens_that_branch(page, server, sim):
     expect(highlighted).to_have_attribute("data-id", message_id)
     expect(user_messages(page)).to_have_text(["Tell me about the narwhal tusk"])
     assert server.conversation(conv_id)["messages"][0]["content"] == "Tell me about the narwhal tusk"
+
+
+def edit(message, text: str) -> None:
+    message.get_by_test_id("edit-message").click()
+    message.get_by_test_id("edit-input").fill(text)
+    message.get_by_test_id("edit-send").click()
+
+
+def test_going_back_to_version_1_returns_to_the_thread_last_viewed_under_it(page, server, sim):
+    """Version 1 of a message showed the most recent child at each level below it, so a thread
+    continued under an older version of a later message seemed lost."""
+    sim.enqueue(*(Script([steps.Text(f"Answer {n}.")]) for n in range(1, 6)))
+    exchange(page, "First question", "Second question")
+    edit(user_messages(page).nth(1), "Second question, asked again")
+    expect(assistant_messages(page).last).to_contain_text("Answer 3.")
+    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+    user_messages(page).nth(1).get_by_test_id("branch-prev").click()
+    expect(user_messages(page).nth(1)).to_have_text("Second question")
+    exchange(page, "Third question")
+    edit(user_messages(page).first, "First question, asked again")
+    expect(assistant_messages(page).last).to_contain_text("Answer 5.")
+    expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
+
+    user_messages(page).first.get_by_test_id("branch-prev").click()
+
+    expect(user_messages(page)).to_have_text(["First question", "Second question", "Third question"])
+    expect(assistant_messages(page).last).to_contain_text("Answer 4.")
+    page.reload()
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    expect(user_messages(page)).to_have_text(["First question", "Second question", "Third question"])

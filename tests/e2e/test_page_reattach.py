@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
-from pagekit import assistant_messages, conversation_id, new_conversation, screenshot, send
+from pagekit import assistant_messages, conversation_id, new_conversation, open_page, screenshot, send
 from simulator import Script, steps
 
 PIECES = [f"Part {n} of the long answer. " for n in range(1, 8)]
@@ -103,3 +103,36 @@ def test_stop_after_a_reload_stops_the_turn_on_the_server(page, server, sim):
     saved = server.settled(conv_id)
     assert [(m["role"], m.get("status")) for m in saved["messages"]] == [("user", None), ("assistant", "interrupted")]
     assert saved["messages"][-1]["content"] == "Once upon a time"
+
+
+def test_a_second_tab_sending_during_a_reply_shows_that_reply_with_a_stop_that_works(browser, page, server, sim):
+    """On the 409 for a running turn the second tab retried silently for 3.3 s, then showed an error
+    without the reply it was about."""
+    conv_id = conversation_id(page)
+    other = open_page(browser, f"{server.base_url}/#{conv_id}")
+    try:
+        sim.enqueue(Script([steps.Text("Once upon a time"), steps.Sleep(30), steps.Text(" the end.")]))
+        send(page, "Tell me a very long story")
+        expect(assistant_messages(page).last).to_contain_text("Once upon a time")
+
+        send(other, "And then what happened?")
+        reply = assistant_messages(other).last
+        expect(reply).to_have_attribute("data-status", "streaming")
+        expect(reply).to_contain_text("Once upon a time")
+        expect(other.get_by_test_id("send")).to_have_text("Stop")
+        expect(other.get_by_test_id("composer")).to_have_value("And then what happened?")
+        expect(other.get_by_test_id("error")).to_have_count(0)
+
+        other.get_by_test_id("send").click()
+        record = sim.wait_for_disconnect(timeout=5)
+        assert not record.completed
+        expect(reply).to_have_attribute("data-status", "interrupted")
+        expect(assistant_messages(page).last).to_have_attribute("data-status", "interrupted")
+        expect(other.get_by_test_id("send")).to_have_text("Send")
+        expect(other.get_by_test_id("composer")).to_have_value("And then what happened?")
+        saved = server.settled(conv_id)
+        assert [(m["role"], m["content"]) for m in saved["messages"]] == [
+            ("user", "Tell me a very long story"), ("assistant", "Once upon a time")]
+        assert other.js_errors == []
+    finally:
+        other.context.close()
