@@ -22,6 +22,7 @@ import auth_routes
 import context
 import exchange_routes
 import preset_routes
+from auth import Accounts
 from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
@@ -103,6 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
                 hub = RedisTurnHub(turns, store)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub)
+            app.state.accounts = await asyncio.to_thread(Accounts, active)  # its argon2 dummy hash takes a while
             turns.tool_runtime = app.state.chat.tool_runtime
             try:
                 yield
