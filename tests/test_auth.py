@@ -255,6 +255,28 @@ async def test_unknown_user_and_wrong_password_read_the_same_and_cost_one_verifi
         assert answers == [(401, {"detail": "wrong user name or password"}, False)] * 4
 
 
+async def test_the_dummy_hash_for_unknown_names_is_made_at_start_up_not_on_the_first_unknown_login(
+        tmp_path, sim, monkeypatch):
+    """The first unknown-name login used to hash as well as verify: slower than a known name's, so telling."""
+    hashed = []
+
+    class Hasher(PasswordHasher):
+        def hash(self, password, *, salt=None):
+            hashed.append(1)
+            return FAST.hash(password)
+
+    monkeypatch.setattr(auth, "PasswordHasher", Hasher)
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        upstream_timeout=5, auth="password")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        assert len(hashed) == 1  # before any request
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            assert (await log_in(client, "nobody", "some password")).status_code == 401
+        assert len(hashed) == 1
+
+
 async def test_failures_are_logged_with_name_and_address_never_the_password(server, caplog):
     caplog.set_level(logging.WARNING, logger="chat.auth")
     async with server.client(peer="198.51.100.7") as client:
