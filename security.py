@@ -210,7 +210,11 @@ def _is_upload(path: str, headers: dict) -> bool:
 def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:
     async def send_with_headers(message: dict) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            headers = list(message.get("headers", []))
+            present = {name.lower() for name, _ in headers}
+            # A route may set one itself (downloads send nosniff): each is sent once.
+            headers += [(name, value) for name, value in SECURITY_HEADERS if name not in present]
+            message = {**message, "headers": headers}
         await send(message)
 
     return send_with_headers

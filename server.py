@@ -27,7 +27,7 @@ from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
 from routes import conversations, memory, models, site
-from security import Guard
+from security import SECURITY_HEADERS, Guard
 from attachments import Attachments, Limits
 from storage import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from turns import Turns
@@ -120,7 +120,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 if demo is not None:
                     await demo.stop_async()
 
-    app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan)
+    # No /docs or /redoc: their viewers load scripts from a CDN and run inline ones, which the page's
+    # Content-Security-Policy (sent with every answer) refuses. /openapi.json stays.
+    app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
@@ -176,11 +178,20 @@ def install_error_answers(app: FastAPI) -> None:
 
     @app.exception_handler(StoreUnavailable)
     async def store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        return detail(503, str(exc))
+        log.error("%s", exc)  # the log may say where the store is; the answer says only what is wrong
+        return detail(503, "the conversation store (Redis) is unreachable; try again shortly")
 
     @app.exception_handler(LockLost)
     async def lock_lost(_: Request, exc: LockLost) -> JSONResponse:
         return detail(409, "another turn took this conversation over")
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette's outermost middleware answers with this, outside the Guard, so the security
+        # headers are added here; uvicorn still logs the traceback.
+        headers = {k.decode(): v.decode() for k, v in SECURITY_HEADERS}
+        return JSONResponse({"detail": "internal server error; the server's log says what went wrong"},
+                            status_code=500, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

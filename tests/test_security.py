@@ -12,6 +12,7 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -595,3 +596,42 @@ def test_a_rotating_x_forwarded_for_does_not_escape_the_access_token_throttle(tm
         assert "wrong access token" in log and "198.51.100." not in log
     finally:
         server.stop()
+
+
+# --- Error answers and headers -------------------------------------------------------------------
+
+def test_an_unexpected_fault_is_a_json_500_with_the_security_headers(live_server, tmp_path):
+    """Starlette's plain-text "Internal Server Error" used to answer, without the page's headers."""
+    (tmp_path / "data" / "memory.md").mkdir()  # a real fault: a directory where memory is replaced
+    response = httpx.put(f"{live_server.base_url}/api/memory", json={"text": "kept?"})
+    assert response.status_code == 500, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert set(response.json()) == {"detail"} and "log" in response.json()["detail"]
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    deadline = time.monotonic() + 10  # uvicorn writes the traceback after the answer has gone
+    while "IsADirectoryError" not in live_server.log():
+        assert time.monotonic() < deadline, "the fault never reached the log"
+        time.sleep(0.05)
+
+
+async def test_docs_viewers_are_off_since_the_pages_policy_blocks_them_and_the_schema_stays(client):
+    """/docs answered a page whose CDN scripts and inline script the Content-Security-Policy refuses."""
+    for path in ("/docs", "/redoc"):
+        response = await client.get(path)
+        assert response.status_code == 404 and set(response.json()) == {"detail"}, path
+    assert "/api/conversations" in (await client.get("/openapi.json")).json()["paths"]
+
+
+async def test_each_security_header_is_sent_once_downloads_included(client, api):
+    """Downloads set X-Content-Type-Options themselves and the Guard added it a second time."""
+    conv = await api.new()
+    uploaded = await client.post(f"/api/conversations/{conv['id']}/attachments",
+                                 files={"file": ("notes.txt", b"plain notes\n", "text/plain")})
+    assert uploaded.status_code == 201, uploaded.text
+    for path in (f"/api/conversations/{conv['id']}/attachments/{uploaded.json()['id']}",
+                 f"/api/conversations/{conv['id']}/export?format=md", "/", "/api/conversations"):
+        response = await client.get(path)
+        assert response.status_code == 200, path
+        for name in ("x-content-type-options", "x-frame-options", "content-security-policy", "referrer-policy"):
+            assert len(response.headers.get_list(name)) == 1, (path, name, response.headers.get_list(name))
