@@ -104,7 +104,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
                 hub = RedisTurnHub(turns, store)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub)
-            app.state.accounts = await asyncio.to_thread(Accounts, active)  # its argon2 dummy hash takes a while
+            # With passwords, Accounts makes its argon2 dummy hash (a while, 64 MiB) off the event loop.
+            app.state.accounts = await asyncio.to_thread(Accounts, active) if active.auth == "password" \
+                else Accounts(active)
             turns.tool_runtime = app.state.chat.tool_runtime
             try:
                 yield
