@@ -2,8 +2,10 @@
 
 Promises: `Accounts.authenticate(scope, headers)` names the `User` behind a request (or None),
 for every AUTH mode; sessions are random ids of which only a sha256 is kept, expire after
-SESSION_HOURS idle and survive a restart; failed logins are throttled and logged; a wrong name
-and a wrong password cost one argon2 verification each and read the same.
+SESSION_HOURS idle and survive a restart; failed logins are throttled and logged, each guess
+counted before it is checked; a wrong name and a wrong password cost one argon2 verification
+each and read the same. Where a request comes from is decided from its TCP peer alone
+(`request_origin`): X-Forwarded-* headers count only from TRUSTED_PROXIES.
 Does not know: what a user owns (the store scopes data by `User.owner`) or which routes exist.
 """
 
@@ -38,11 +40,16 @@ SESSION_COOKIE = "chat_session"
 TOKEN_COOKIE = "chat_token"
 USERNAME = re.compile(r"[A-Za-z0-9_.@+-]{1,64}")
 MIN_PASSWORD_CHARS = 8
-# Failed guesses allowed in WINDOW before 429; a repeated identical guess counts once, so a
-# client retrying a stale password does not lock its address out.
+# Failed guesses allowed in WINDOW before 429: for one name from one address, and from one address
+# for any names. A repeated identical guess counts once, so a client retrying a stale password does
+# not lock its address out; guesses from one address never lock the name out for another.
 FAILURES_PER_USER = 5
 FAILURES_PER_ADDRESS = 20
 WINDOW_SECONDS = 15 * 60
+# Past this many guesses at one name from all addresses in WINDOW, its logins are paced (one per
+# NAME_PACE_SECONDS) rather than refused: many addresses guess slowly, and the owner still gets in.
+NAME_CEILING = 20
+NAME_PACE_SECONDS = 2.0
 # last_seen is written at most this often per session: sliding expiry without a write per request.
 TOUCH_SECONDS = 60
 # Each argon2 verification holds 64 MiB; a flood of logins must not hold gigabytes.
@@ -164,83 +171,174 @@ def _iso(seconds: float) -> str:
 
 # --- Throttling -------------------------------------------------------------------------------
 
+class Attempt:
+    """One guess counted against its keys from the moment it was reserved until settled or refunded."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+
 class Limiter:
-    """Failed guesses per key (user name, address) in a sliding window, in memory."""
+    """Attempts per key (a name from an address, an address) in a sliding window, in memory.
+
+    An attempt is reserved before its guess is checked, so concurrent guesses cannot all pass the
+    check before the first of them fails; only a right guess gives its reservation back.
+    """
 
     MAX_KEYS = 50_000  # a flood of made-up names or addresses cannot grow it without bound
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self._failures: dict[str, dict[bytes, float]] = {}
+        # key -> {digest of a failed guess, or an Attempt still in flight: when it was counted}
+        self._attempts: dict[str, dict[bytes | Attempt, float]] = {}
+        self._turns: dict[str, float] = {}  # key -> monotonic time of its next paced attempt
         self._salt = secrets.token_bytes(16)  # guesses are kept as keyed digests, never as text
 
-    def check(self, limits: list[tuple[str, int]]) -> None:
-        """Raise Throttled when any key has used up its failures in the window."""
+    def reserve(self, limits: list[tuple[str, int | None]]) -> Attempt:
+        """Count one attempt against every key; Throttled when a key with a limit has used it up.
+
+        A key whose limit is None is counted but never refuses (the per-name ceiling, see `turn`).
+        """
         now = self.clock()
         waits = []
         for key, limit in limits:
             times = self._recent(key, now)
-            if len(times) >= limit:
+            if limit is not None and len(times) >= limit:
                 waits.append(min(times) + WINDOW_SECONDS - now)
         if waits:
             raise Throttled(max(1, math.ceil(max(waits))))
+        attempt = Attempt([key for key, _ in limits])
+        for key in attempt.keys:
+            self._attempts.setdefault(key, {})[attempt] = now
+        if len(self._attempts) > self.MAX_KEYS:
+            self._attempts = {k: v for k, v in self._attempts.items() if self._recent(k, now)}
+            self._turns = {k: t for k, t in self._turns.items() if t > time.monotonic()}
+        return attempt
 
-    def fail(self, limits: list[tuple[str, int]], guess: str) -> bool:
-        """Count one failed guess against every key; False when it repeats a guess already counted."""
+    def fail(self, attempt: Attempt, guess: str) -> bool:
+        """The attempt was a wrong guess; False when it repeats a guess already counted (it then counts once)."""
         now = self.clock()
         digest = hmac.new(self._salt, guess.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
         new = False
-        for key, _ in limits:
-            seen = self._failures.setdefault(key, {})
+        for key in attempt.keys:
+            seen = self._attempts.setdefault(key, {})
+            seen.pop(attempt, None)
             new = new or digest not in seen
             seen[digest] = now
-        if len(self._failures) > self.MAX_KEYS:
-            self._failures = {k: v for k, v in self._failures.items() if self._recent(k, now)}
         return new
 
+    def refund(self, attempt: Attempt) -> None:
+        """The attempt was right: it counts against nothing."""
+        for key in attempt.keys:
+            self._attempts.get(key, {}).pop(attempt, None)
+
     def clear(self, key: str) -> None:
-        self._failures.pop(key, None)
+        self._attempts.pop(key, None)
+
+    def turn(self, key: str, ceiling: int, spacing: float) -> float:
+        """Seconds to wait before this attempt: past `ceiling` attempts on `key`, they go `spacing` apart."""
+        if len(self._recent(key, self.clock())) <= ceiling:
+            return 0.0
+        now = time.monotonic()
+        start = max(now, self._turns.get(key, now))
+        self._turns[key] = start + spacing
+        return start - now
 
     def _recent(self, key: str, now: float) -> list[float]:
-        seen = self._failures.get(key)
+        seen = self._attempts.get(key)
         if not seen:
             return []
-        for digest in [d for d, t in seen.items() if now - t >= WINDOW_SECONDS]:
-            del seen[digest]
+        for entry in [e for e, t in seen.items() if now - t >= WINDOW_SECONDS]:
+            del seen[entry]
         if not seen:
-            del self._failures[key]
+            del self._attempts[key]
         return list(seen.values())
 
 
 # --- Requests ---------------------------------------------------------------------------------
 
-def peer(scope: dict) -> str:
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where one request comes from, decided once from its TCP peer (`request_origin`)."""
+
+    address: str  # the TCP peer, or behind a trusted proxy the address that proxy appended
+    via_proxy: bool  # the TCP peer is in TRUSTED_PROXIES: its X-Forwarded-* headers are believed
+    https: bool  # the browser's connection: ours, or the trusted proxy's (X-Forwarded-Proto)
+    forwarded_user: str | None  # AUTH_HEADER's value, from a trusted proxy only
+
+
+# Throttles and logs use this for a request whose peer a server in front took from its own
+# X-Forwarded-For: the address is invented by whoever sent the header, so all such requests share one.
+REWRITTEN_PEER = "unknown (peer address rewritten from X-Forwarded-For in front of the app)"
+_warned_rewrite = False
+
+
+def request_origin(scope: dict, settings: Settings) -> Origin:
+    """The request's Origin, worked out on first use and kept in the scope for the rest of the request."""
+    state = scope.setdefault("state", {})
+    found = state.get("chat_origin")
+    if found is None:
+        found = state["chat_origin"] = _origin(scope, settings)
+    return found
+
+
+def _origin(scope: dict, settings: Settings) -> Origin:
     client = scope.get("client")
-    return client[0] if client else ""
+    tcp_peer = client[0] if client else ""
+    values: dict[str, list[str]] = {}
+    for key, value in scope["headers"]:
+        values.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
+    forwarded_for = [e.strip() for v in values.get("x-forwarded-for", []) for e in v.split(",")]
+    if tcp_peer and tcp_peer in map(_without_port, forwarded_for):
+        # uvicorn's proxy_headers (on unless told otherwise, `uvicorn server:app`) already replaced
+        # the peer with an entry of the header: the real peer is unknown, so nothing is believed.
+        _warn_rewritten()
+        return Origin(REWRITTEN_PEER, via_proxy=False, https=False, forwarded_user=None)
+    scheme_https = scope.get("scheme") == "https"
+    if not _is_trusted_proxy(tcp_peer, settings):
+        # A scheme of https with an X-Forwarded-Proto beside it may be the header's, not ours.
+        return Origin(tcp_peer, via_proxy=False, https=scheme_https and "x-forwarded-proto" not in values,
+                      forwarded_user=None)
+    appended = forwarded_for[-1] if forwarded_for else ""
+    address = appended if _is_address(appended) else tcp_peer
+    proto = [e.strip().lower() for v in values.get("x-forwarded-proto", []) for e in v.split(",")]
+    users = values.get(settings.auth_header.lower(), [])
+    return Origin(address, via_proxy=True, https=scheme_https or (proto[-1:] == ["https"]),
+                  forwarded_user=users[0].strip() if len(users) == 1 else None)
 
 
-def from_trusted_proxy(scope: dict, settings: Settings) -> bool:
+def _without_port(entry: str) -> str:
+    """An X-Forwarded-For entry's host, as uvicorn reads it (`1.2.3.4:80`, `[::1]:80`)."""
+    if entry.startswith("["):
+        return entry[1:entry.find("]")] if "]" in entry else entry
+    return entry.partition(":")[0] if entry.count(":") == 1 else entry
+
+
+def _is_address(text: str) -> bool:
     try:
-        address = ipaddress.ip_address(peer(scope))
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_trusted_proxy(tcp_peer: str, settings: Settings) -> bool:
+    try:
+        address = ipaddress.ip_address(tcp_peer)
     except ValueError:
         return False
     return any(address in ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies)
 
 
-def client_address(scope: dict, headers: dict, settings: Settings) -> str:
-    """The peer, or behind a trusted proxy the address it appended last to X-Forwarded-For."""
-    forwarded = headers.get("x-forwarded-for", "")
-    if forwarded and from_trusted_proxy(scope, settings):
-        return forwarded.rsplit(",", 1)[-1].strip()
-    return peer(scope)
-
-
-def over_https(scope: dict, headers: dict, settings: Settings) -> bool:
-    """Whether the browser's connection is https: ours, or the trusted proxy's (X-Forwarded-Proto)."""
-    if scope.get("scheme") == "https":
-        return True
-    proto = headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
-    return proto == "https" and from_trusted_proxy(scope, settings)
+def _warn_rewritten() -> None:
+    global _warned_rewrite
+    if not _warned_rewrite:
+        _warned_rewrite = True
+        log.error("the server in front of the app rewrote the client address from X-Forwarded-For, so "
+                  "forwarded headers and AUTH=header are ignored and such requests share one throttle: "
+                  "start it with `python server.py`, or uvicorn with --no-proxy-headers (README)")
 
 
 def cookie(headers: dict, name: str) -> str | None:
@@ -276,7 +374,8 @@ class Accounts:
         self._persisted_seen = {k: s["last_seen"] for k, s in self._sessions.items()}
         self._write_lock = asyncio.Lock()
         self._verifications = asyncio.Semaphore(CONCURRENT_VERIFICATIONS)
-        self._dummy_hash: str | None = None
+        # Unknown names verify against this, so they cost what a known name costs from the first try.
+        self._dummy_hash = self.hasher.hash(secrets.token_urlsafe(16)) if settings.auth == "password" else None
 
     # The one call every guarded request goes through.
     async def authenticate(self, scope: dict, headers: dict) -> User | None:
@@ -286,7 +385,7 @@ class Accounts:
         """
         mode = self.settings.auth
         if mode == "header":
-            return self._header_user(scope, headers)
+            return self._header_user(request_origin(scope, self.settings))
         if mode == "password":
             record = await self._session(cookie(headers, SESSION_COOKIE), "password")
             return self._account_user(record) if record else None
@@ -296,24 +395,29 @@ class Accounts:
         authorization = headers.get("authorization", "")
         if authorization[:7].lower() == "bearer ":
             offered = authorization[7:].strip()
-            if await self._token_guess(offered, client_address(scope, headers, self.settings)):
+            if await self._token_guess(offered, request_origin(scope, self.settings).address):
                 return LOCAL
             return None
         return LOCAL if await self._session(cookie(headers, TOKEN_COOKIE), "token") else None
 
     async def login(self, username: str, password: str, address: str) -> str:
         """A new session id for a right name and password; WrongCredentials or Throttled otherwise."""
-        limits = [(f"user:{username.lower()}", FAILURES_PER_USER), (f"address:{address}", FAILURES_PER_ADDRESS)]
-        self.limiter.check(limits)
+        name = f"user:{username.lower()}"
+        attempt = self.limiter.reserve([(f"{name} address:{address}", FAILURES_PER_USER),
+                                        (f"address:{address}", FAILURES_PER_ADDRESS), (name, None)])
+        wait = self.limiter.turn(name, NAME_CEILING, NAME_PACE_SECONDS)
+        if wait:
+            await asyncio.sleep(wait)
         record = self.users.find(username) if USERNAME.fullmatch(username) else None
         stored = record.get("password_hash") if record else None
         # Unknown names verify against a dummy hash: the same work, so the same time.
-        right = await self._verify(stored or self._dummy(), password) and stored is not None
+        right = await self._verify(stored or self._dummy_hash, password) and stored is not None
         if not right:
-            if self.limiter.fail(limits, f"{username.lower()}\0{password}"):
+            if self.limiter.fail(attempt, f"{username.lower()}\0{password}"):
                 log.warning("failed login for user %r from %s", username, address)
             raise WrongCredentials
-        self.limiter.clear(limits[0][0])
+        self.limiter.refund(attempt)
+        self.limiter.clear(attempt.keys[0])
         log.info("user %r logged in from %s", record["name"], address)
         if self.hasher.check_needs_rehash(stored):
             rehashed = await asyncio.to_thread(self.hasher.hash, password)
@@ -333,11 +437,9 @@ class Accounts:
 
     # --- inside
 
-    def _header_user(self, scope: dict, headers: dict) -> User | None:
-        if not from_trusted_proxy(scope, self.settings):
-            return None
-        name = headers.get(self.settings.auth_header.lower(), "").strip()
-        if not USERNAME.fullmatch(name) or name.lower() == LOCAL_OWNER:
+    def _header_user(self, origin: Origin) -> User | None:
+        name = origin.forwarded_user  # None unless a trusted proxy sent the header exactly once
+        if name is None or not USERNAME.fullmatch(name) or name.lower() == LOCAL_OWNER:
             return None
         record = self.users.find(name)
         if record is None:
@@ -359,11 +461,11 @@ class Accounts:
         return User(record["name"], admin, record["owner"])
 
     async def _token_guess(self, offered: str, address: str) -> bool:
-        limits = [(f"address:{address}", FAILURES_PER_ADDRESS)]
-        self.limiter.check(limits)
+        attempt = self.limiter.reserve([(f"address:{address}", FAILURES_PER_ADDRESS)])
         if hmac.compare_digest(offered.encode("utf-8", "surrogatepass"), self.settings.access_token.encode()):
+            self.limiter.refund(attempt)
             return True
-        if self.limiter.fail(limits, offered):
+        if self.limiter.fail(attempt, offered):
             log.warning("wrong access token from %s", address)
         return False
 
@@ -373,11 +475,6 @@ class Accounts:
                 return await asyncio.to_thread(self.hasher.verify, stored, password)
             except (VerificationError, InvalidHashError):
                 return False
-
-    def _dummy(self) -> str:
-        if self._dummy_hash is None:
-            self._dummy_hash = self.hasher.hash(secrets.token_urlsafe(16))
-        return self._dummy_hash
 
     async def _new_session(self, username: str, kind: str, epoch: str) -> str:
         session_id = secrets.token_urlsafe(32)
@@ -444,11 +541,8 @@ def remove_sessions_of(data_dir: Path, name: str) -> None:
 
 
 def accounts(app) -> Accounts:
-    """The app's Accounts, made on first use from the settings lifespan put on `app.state.chat`."""
-    found = getattr(app.state, "accounts", None)
-    if found is None:
-        found = app.state.accounts = Accounts(app.state.chat.settings)
-    return found
+    """The app's Accounts, which lifespan made (its dummy hash included) before the first request."""
+    return app.state.accounts
 
 
 async def current_user(request: Request) -> User:

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from auth import (SESSION_COOKIE, TOKEN_COOKIE, Accounts, Throttled, WrongCredentials, accounts,
-                  client_address, cookie, over_https, unauthorised_detail)
+from auth import (SESSION_COOKIE, TOKEN_COOKIE, Accounts, Throttled, WrongCredentials, accounts, cookie,
+                  request_origin, unauthorised_detail)
 
 router = APIRouter()
 WRONG = "wrong user name or password"
@@ -35,7 +35,7 @@ def _with_cookie(request: Request, name: str, session_id: str, samesite: str) ->
     settings = request.app.state.chat.settings
     response = Response(status_code=204)
     response.set_cookie(name, session_id, max_age=int(settings.session_hours * 3600), httponly=True,
-                        samesite=samesite, secure=over_https(request.scope, _headers(request), settings), path="/")
+                        samesite=samesite, secure=request_origin(request.scope, settings).https, path="/")
     return response
 
 
@@ -47,9 +47,8 @@ async def login(body: AccountLogin, request: Request) -> Response:
     if gate.settings.auth != "password":
         return JSONResponse({"detail": f"accounts are not kept by this server (AUTH={gate.settings.auth})"},
                             status_code=400)
-    address = client_address(request.scope, _headers(request), gate.settings)
     try:
-        session_id = await gate.login(body.username, body.password, address)
+        session_id = await gate.login(body.username, body.password, request_origin(request.scope, gate.settings).address)
     except Throttled as exc:
         return _throttled(exc)
     except WrongCredentials:
@@ -90,7 +89,7 @@ async def token_login(request: Request, offered: str) -> Response:
     if gate.settings.access_token is None or gate.settings.auth != "none":
         return Response(status_code=204)  # nothing to log in to
     try:
-        session_id = await gate.login_token(offered, client_address(request.scope, _headers(request), gate.settings))
+        session_id = await gate.login_token(offered, request_origin(request.scope, gate.settings).address)
     except Throttled as exc:
         return _throttled(exc)
     except WrongCredentials:

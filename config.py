@@ -109,6 +109,8 @@ class Settings(BaseSettings):
     # may take to send its request head; see serving.py.
     max_connections: int = Field(1000, ge=1)
     header_timeout: float = Field(10.0, gt=0)
+    # Seconds a request may take to send its whole body once its head is in (408 after); see security.py.
+    body_timeout: float = Field(30.0, gt=0)
     max_message_chars: int = Field(200_000, gt=0)
     max_attachment_bytes: int = Field(20_971_520, gt=0)
     max_attachment_pages: int = Field(1000, gt=0)

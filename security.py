@@ -1,19 +1,26 @@
-"""Guards in front of every route: Host allow-list, Origin check, who is asking (auth.py), body limits.
+"""Guards in front of every route: Host allow-list, Origin check, who is asking (auth.py), body bounds.
 
 A server on localhost is still reachable from every page the person has open (cross-site
 requests) and from any name that resolves to 127.0.0.1 (DNS rebinding), so each request is
 checked here before a route sees it. Written as plain ASGI so streamed responses and
 disconnect detection pass through untouched.
+
+Every request body is bounded in time (BODY_TIMEOUT from the moment the app gets the request,
+then 408) and JSON bodies and imports in size (413 as soon as the limit is passed, nothing more
+read). Routes that stream an upload themselves read through the same bounded `receive`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import orjson
+from fastapi import HTTPException
 
+import exchange
 from auth import Throttled, accounts, unauthorised_detail
 from config import Settings
 
@@ -36,6 +43,10 @@ SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"no-referrer"),
 ]
+# Room for the multipart framing and the part's headers around an imported file.
+IMPORT_FRAMING_BYTES = 64 * 1024
+# A cut body leaves unread bytes on the connection: it cannot carry a next request.
+_CLOSE = {"Connection": "close"}
 # A whole Host header: a name or a bracketed IPv6 literal, then at most a numeric port.
 _HOST = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9._-]+)(?::[0-9]{1,5})?")
 
@@ -46,9 +57,11 @@ def _host_name(value: str) -> str | None:
     return match["name"] if match else None
 
 
-def _json_error(status: int, detail: str, retry_after: int | None = None) -> list[dict]:
+def _json_error(status: int, detail: str, retry_after: int | None = None,
+                headers: dict[str, str] | None = None) -> list[dict]:
     body = orjson.dumps({"detail": detail})
     extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
+    extra += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     return [
         {"type": "http.response.start", "status": status,
          "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -83,11 +96,26 @@ class Guard:
             self.allowed_hosts = allowed_hosts(self.settings)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope["method"].upper()
+        deadline = asyncio.get_running_loop().time() + self.settings.body_timeout
         problem = self._check(scope, headers, method) or await self._authenticate(scope, headers)
         if problem:
             return await self._reply(send, *problem)
         if method in STATE_CHANGING and not _is_upload(scope["path"], headers):
-            body, problem = await self._read_body(headers, receive)
+            limit = self.settings.max_request_bytes
+        elif scope["path"] == "/api/import":
+            limit = exchange.MAX_IMPORT_BYTES + IMPORT_FRAMING_BYTES
+        else:
+            limit = None  # an attachment's route counts its own bytes, under MAX_ATTACHMENT_BYTES
+        declared = headers.get("content-length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            return await self._reply(send, 413, _too_big(limit), headers=_CLOSE)
+        if declared not in ("", "0") or "transfer-encoding" in headers:  # there is a body to wait for
+            receive = _bounded(receive, limit, deadline, self.settings.body_timeout)
+        if method in STATE_CHANGING and not _is_upload(scope["path"], headers):
+            try:
+                body, problem = await self._read_body(receive)
+            except HTTPException as exc:
+                return await self._reply(send, exc.status_code, exc.detail, headers=exc.headers)
             if problem:
                 return await self._reply(send, *problem)
             receive = _replay(body, receive)
@@ -118,22 +146,15 @@ class Guard:
         scope.setdefault("state", {})["chat_user"] = user
         return None
 
-    async def _read_body(self, headers: dict, receive: Callable) -> tuple[bytes, tuple[int, str] | None]:
-        limit = self.settings.max_request_bytes
-        too_big = (413, f"request body over {limit} bytes")
-        declared = headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            return b"", too_big
-        chunks, size = [], 0
+    @staticmethod
+    async def _read_body(receive: Callable) -> tuple[bytes, tuple[int, str] | None]:
+        """The whole body through the bounded receive (HTTPException past its size or time)."""
+        chunks = []
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return b"", too_big
-            chunks.append(chunk)
+            chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
@@ -145,9 +166,39 @@ class Guard:
         return body, None
 
     @staticmethod
-    async def _reply(send: Callable, status: int, detail: str, retry_after: int | None = None) -> None:
-        for message in _json_error(status, detail, retry_after):
+    async def _reply(send: Callable, status: int, detail: str, retry_after: int | None = None,
+                     headers: dict[str, str] | None = None) -> None:
+        for message in _json_error(status, detail, retry_after, headers):
             await send(message)
+
+
+def _too_big(limit: int) -> str:
+    return f"request body over {limit} bytes"
+
+
+def _bounded(receive: Callable, limit: int | None, deadline: float, timeout: float) -> Callable:
+    """A receive() that answers 408 (HTTPException) once the body is not in by `deadline`, and 413
+    as soon as it passes `limit` bytes; once the body is complete it waits unbounded (for disconnect)."""
+    received, complete = 0, False
+
+    async def bounded() -> dict:
+        nonlocal received, complete
+        if complete:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):  # no task per call, unlike wait_for
+                message = await receive()
+        except TimeoutError:
+            raise HTTPException(408, f"the request body took longer than {timeout:g} s to arrive",
+                                headers=_CLOSE) from None
+        if message["type"] != "http.request" or not message.get("more_body"):
+            complete = True
+        received += len(message.get("body", b""))
+        if limit is not None and received > limit:
+            raise HTTPException(413, _too_big(limit), headers=_CLOSE)
+        return message
+
+    return bounded
 
 
 def _is_upload(path: str, headers: dict) -> bool:
@@ -159,7 +210,11 @@ def _is_upload(path: str, headers: dict) -> bool:
 def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:
     async def send_with_headers(message: dict) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            headers = list(message.get("headers", []))
+            present = {name.lower() for name, _ in headers}
+            # A route may set one itself (downloads send nosniff): each is sent once.
+            headers += [(name, value) for name, value in SECURITY_HEADERS if name not in present]
+            message = {**message, "headers": headers}
         await send(message)
 
     return send_with_headers

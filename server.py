@@ -24,12 +24,13 @@ import context
 import exchange_routes
 import pii
 import preset_routes
+from auth import Accounts
 from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
 from person_events import PersonEvents, RedisPersonEvents
 from routes import conversations, live, memory, models, site
-from security import Guard
+from security import SECURITY_HEADERS, Guard
 from attachments import Attachments, Limits
 from storage import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from turns import Turns
@@ -111,6 +112,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 events = RedisPersonEvents(store.redis, store.prefix)  # pages hear of every process's changes
                 hub = RedisTurnHub(turns, store, events)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub, events=events)
+            # With passwords, Accounts makes its argon2 dummy hash (a while, 64 MiB) off the event loop.
+            app.state.accounts = await asyncio.to_thread(Accounts, active) if active.auth == "password" \
+                else Accounts(active)
             turns.tool_runtime = app.state.chat.tool_runtime
             turns.lineup = app.state.chat.lineup
             try:
@@ -128,7 +132,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 if demo is not None:
                     await demo.stop_async()
 
-    app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan)
+    # No /docs or /redoc: their viewers load scripts from a CDN and run inline ones, which the page's
+    # Content-Security-Policy (sent with every answer) refuses. /openapi.json stays.
+    app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
@@ -184,11 +190,20 @@ def install_error_answers(app: FastAPI) -> None:
 
     @app.exception_handler(StoreUnavailable)
     async def store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        return detail(503, str(exc))
+        log.error("%s", exc)  # the log may say where the store is; the answer says only what is wrong
+        return detail(503, "the conversation store (Redis) is unreachable; try again shortly")
 
     @app.exception_handler(LockLost)
     async def lock_lost(_: Request, exc: LockLost) -> JSONResponse:
         return detail(409, "another turn took this conversation over")
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette's outermost middleware answers with this, outside the Guard, so the security
+        # headers are added here; uvicorn still logs the traceback.
+        headers = {k.decode(): v.decode() for k, v in SECURITY_HEADERS}
+        return JSONResponse({"detail": "internal server error; the server's log says what went wrong"},
+                            status_code=500, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -153,6 +153,9 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "http": guarded_protocol(cap, settings.header_timeout),
         # No access log: a line per request and per stream is noise beside our own log, and costs CPU.
         "access_log": False,
+        # uvicorn would otherwise take the client address and scheme from X-Forwarded-For/-Proto of any
+        # loopback peer; the app believes them from TRUSTED_PROXIES alone (auth.request_origin).
+        "proxy_headers": False,
         "log_level": "info",
         # The seconds an idle kept-alive connection is held after a response (uvicorn's default, said here).
         "timeout_keep_alive": 5,

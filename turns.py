@@ -531,7 +531,8 @@ class Turns:
             log.error("turn on %s could not reach the store: %s", turn.conv_id, exc)
             if not turn.settled:
                 turn.outcome = Outcome.DISCARDED
-            yield TurnFailed("storage", f"{exc}; this reply could not be saved. Try again once it is back.",
+            yield TurnFailed("storage", "The conversation store (Redis) is unreachable; this reply could not be "
+                             "saved. Try again once it is back.",
                              True, None, turn.reply.has_output)
         except Exception as exc:  # a bug or an unexpected fault must still end the stream cleanly
             log.exception("turn on %s failed", turn.conv_id)

@@ -1,14 +1,19 @@
-"""Memory that must not grow with use: the demo gateway's records and the token-count cache."""
+"""Memory that must not grow with use: the demo gateway's records and the token-count cache; request
+bodies bounded in size and time."""
 
 from __future__ import annotations
 
 import gc
+import socket
+import time
 import tracemalloc
 
 import httpx
 import pytest
 
 import context
+import exchange
+from support import LiveServer
 from simulator import DEFAULT_KEEP_REQUESTS, GatewaySimulator, Script, steps
 
 
@@ -87,3 +92,83 @@ def test_token_count_cache_keeps_the_recently_used(monkeypatch):
     context.count_tokens("alpha")  # used again: "beta" is now the oldest
     context.count_tokens("delta")
     assert (hash("beta"), 4) not in context._token_counts and (hash("alpha"), 5) in context._token_counts
+
+
+# --- Request bodies: bounded in size and time ----------------------------------------------------
+
+BOUNDARY = "b0undary"
+PART_HEAD = (f"--{BOUNDARY}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"c.json\"\r\n"
+             "content-type: application/json\r\n\r\n").encode()
+
+
+async def test_an_import_far_over_its_limit_is_413_once_the_limit_is_read_not_spooled_whole(client, monkeypatch):
+    """A 600 MiB import was written whole to a temporary file, then answered 422."""
+    monkeypatch.setattr(exchange, "MAX_IMPORT_BYTES", 1 << 20)
+    sent = 0
+
+    async def six_hundred_mib():
+        nonlocal sent
+        yield PART_HEAD
+        for _ in range(600 * 16):
+            sent += 65536
+            yield b" " * 65536
+
+    response = await client.post("/api/import", content=six_hundred_mib(),
+                                 headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"})
+    assert response.status_code == 413 and "detail" in response.json()
+    assert response.headers["connection"] == "close"
+    assert sent <= (1 << 20) + 2 * 65536 + 65536  # the limit, its framing room and the chunk that crossed it
+    assert (await client.get("/api/conversations")).json() == []
+
+    declared = await client.post("/api/import", content=PART_HEAD, headers={
+        "content-type": f"multipart/form-data; boundary={BOUNDARY}", "content-length": str(600 << 20)})
+    assert declared.status_code == 413
+
+
+MAKE_RUN = "import os, sys; os.environ['PORT'] = sys.argv[1]; import server; server.main()"
+
+
+def trickle(port: int, head: bytes, byte: bytes, limit: float) -> tuple[bytes, float]:
+    """Send `head`, then one `byte` every 0.1 s until the server answers; its answer and when it came."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=limit)
+    started = time.monotonic()
+    sock.sendall(head)
+    sock.setblocking(False)
+    answer = b""
+    while time.monotonic() - started < limit:
+        try:
+            chunk = sock.recv(65536)
+        except BlockingIOError:
+            try:
+                sock.send(byte)
+            except OSError:
+                pass
+            time.sleep(0.1)  # the trickle's own pace
+            continue
+        except OSError:
+            break
+        if not chunk:
+            break
+        answer += chunk
+    sock.close()
+    return answer, time.monotonic() - started
+
+
+def test_a_trickling_body_is_cut_with_408_after_body_timeout(tmp_path, sim):
+    """Slow login bodies held their connections for as long as they liked, until MAX_CONNECTIONS was full."""
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "BODY_TIMEOUT": "1.5"}, launch=MAKE_RUN)
+    try:
+        login = (b"POST /api/login HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                 b"content-length: 1000\r\n\r\n{\"token\": \"")
+        upload = (f"POST /api/import HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: multipart/form-data; "
+                  f"boundary={BOUNDARY}\r\ntransfer-encoding: chunked\r\n\r\n{len(PART_HEAD):x}\r\n").encode() \
+            + PART_HEAD + b"\r\n"
+        for head, byte in ((login, b"a"), (upload, b"1\r\n \r\n")):
+            answer, took = trickle(server.port, head, byte, limit=10)
+            status, _, rest = answer.partition(b"\r\n")
+            assert status == b"HTTP/1.1 408 Request Timeout", answer
+            assert b"connection: close" in rest.lower() and b'"detail"' in rest
+            assert 1.5 <= took < 5, took  # cut at BODY_TIMEOUT, and the connection closed with the answer
+        assert httpx.get(f"{server.base_url}/healthz").status_code == 200
+    finally:
+        server.stop()

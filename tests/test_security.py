@@ -12,6 +12,7 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -527,3 +528,110 @@ async def test_a_key_echoed_in_a_fetch_error_reply_or_reasoning_never_leaves_or_
     reply = json.loads(stored)["messages"][-1]
     assert reply["content"] == "Your key is [redacted] indeed."
     assert "[redacted]" in reply["activity"][0]["text"] and reply["activity"][1]["error"].endswith("[redacted]")
+
+
+# --- Trust comes from the TCP peer alone ----------------------------------------------------------
+
+# `make run` (`python server.py`), and `uvicorn server:app` as an operator may run it, whose uvicorn
+# rewrites the peer from X-Forwarded-For of any loopback peer before the app sees the request.
+MAKE_RUN = "import os, sys; os.environ['PORT'] = sys.argv[1]; import server; server.main()"
+LAUNCHES = [pytest.param(MAKE_RUN, id="make-run"), pytest.param(None, id="uvicorn-server-app")]
+PROXY = "10.0.0.5"
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_local_process_naming_the_trusted_proxy_in_x_forwarded_for_is_nobody(tmp_path, sim, launch):
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "AUTH": "header",
+                                            "TRUSTED_PROXIES": PROXY, "ADMIN_USERS": "boss"}, launch=launch)
+    try:
+        for spoof in (PROXY, f"198.51.100.7, {PROXY}", f"{PROXY}:443"):
+            headers = {"x-forwarded-for": spoof, "x-forwarded-user": "boss", "x-forwarded-proto": "https"}
+            me = httpx.get(f"{server.base_url}/api/auth/me", headers=headers)
+            assert me.status_code == 401 and me.json()["login"] == "header", spoof
+            assert httpx.get(f"{server.base_url}/api/conversations", headers=headers).status_code == 401
+        assert not (tmp_path / "data" / "users.json").exists()  # boss was never created, let alone an admin
+    finally:
+        server.stop()
+
+
+def rotating(i: int) -> dict[str, str]:
+    return {"x-forwarded-for": f"198.51.100.{i}", "content-type": "application/json"}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_rotating_x_forwarded_for_neither_escapes_the_login_throttle_nor_reaches_the_log(tmp_path, sim, launch):
+    from auth import FAILURES_PER_USER, UserFile
+
+    from argon2 import PasswordHasher
+
+    UserFile(tmp_path / "data").add("alice", PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1).hash(
+        "alice's long secret"), admin=True, now=0)
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "AUTH": "password",
+                                            "TRUSTED_PROXIES": PROXY}, launch=launch)
+    try:
+        statuses = [httpx.post(f"{server.base_url}/api/auth/login", headers=rotating(i),
+                               json={"username": "alice", "password": f"guess {i}"}).status_code
+                    for i in range(FAILURES_PER_USER + 3)]
+        assert statuses == [401] * FAILURES_PER_USER + [429] * 3
+        log = server.log()
+        assert "failed login for user 'alice'" in log and "198.51.100." not in log
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_rotating_x_forwarded_for_does_not_escape_the_access_token_throttle(tmp_path, sim, launch):
+    from auth import FAILURES_PER_ADDRESS
+
+    server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "ACCESS_TOKEN": "tok-" + "x1y2z3" * 5,
+                                            "TRUSTED_PROXIES": PROXY}, launch=launch)
+    try:
+        statuses = [httpx.post(f"{server.base_url}/api/login", headers=rotating(i),
+                               json={"token": f"guess-{i}"}).status_code for i in range(FAILURES_PER_ADDRESS + 2)]
+        assert statuses == [401] * FAILURES_PER_ADDRESS + [429] * 2
+        bearer = httpx.get(f"{server.base_url}/api/conversations",
+                           headers={**rotating(99), "authorization": "Bearer another-guess"})
+        assert bearer.status_code == 429
+        log = server.log()
+        assert "wrong access token" in log and "198.51.100." not in log
+    finally:
+        server.stop()
+
+
+# --- Error answers and headers -------------------------------------------------------------------
+
+def test_an_unexpected_fault_is_a_json_500_with_the_security_headers(live_server, tmp_path):
+    """Starlette's plain-text "Internal Server Error" used to answer, without the page's headers."""
+    (tmp_path / "data" / "memory.md").mkdir()  # a real fault: a directory where memory is replaced
+    response = httpx.put(f"{live_server.base_url}/api/memory", json={"text": "kept?"})
+    assert response.status_code == 500, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert set(response.json()) == {"detail"} and "log" in response.json()["detail"]
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    deadline = time.monotonic() + 10  # uvicorn writes the traceback after the answer has gone
+    while "IsADirectoryError" not in live_server.log():
+        assert time.monotonic() < deadline, "the fault never reached the log"
+        time.sleep(0.05)
+
+
+async def test_docs_viewers_are_off_since_the_pages_policy_blocks_them_and_the_schema_stays(client):
+    """/docs answered a page whose CDN scripts and inline script the Content-Security-Policy refuses."""
+    for path in ("/docs", "/redoc"):
+        response = await client.get(path)
+        assert response.status_code == 404 and set(response.json()) == {"detail"}, path
+    assert "/api/conversations" in (await client.get("/openapi.json")).json()["paths"]
+
+
+async def test_each_security_header_is_sent_once_downloads_included(client, api):
+    """Downloads set X-Content-Type-Options themselves and the Guard added it a second time."""
+    conv = await api.new()
+    uploaded = await client.post(f"/api/conversations/{conv['id']}/attachments",
+                                 files={"file": ("notes.txt", b"plain notes\n", "text/plain")})
+    assert uploaded.status_code == 201, uploaded.text
+    for path in (f"/api/conversations/{conv['id']}/attachments/{uploaded.json()['id']}",
+                 f"/api/conversations/{conv['id']}/export?format=md", "/", "/api/conversations"):
+        response = await client.get(path)
+        assert response.status_code == 200, path
+        for name in ("x-content-type-options", "x-frame-options", "content-security-policy", "referrer-policy"):
+            assert len(response.headers.get_list(name)) == 1, (path, name, response.headers.get_list(name))
