@@ -17,6 +17,8 @@ Layout, all keys under one prefix (`chat:` by default):
   HEARTBEAT_SECONDS) and gone MISSED_BEATS beats after the last: a lock without it belongs to a
   process that stopped answering, so the turn reads as not running and the next turn takes the
   lock over (its new fence refuses the silent process's writes, should it wake).
+- `running` a hash of the turns running in any process (conv id -> `<owner>:<turn id>`), so the
+  process that first sees one whose heartbeat stopped tells its owner's pages it ended.
 - `memory:<owner>`, `models`, and `kv:<key>` (small JSON values for other modules: accounts, sessions).
 - `stop:<id>` a pub/sub channel: Stop from any process reaches the process running the turn.
 - `events:<id>` a stream of the running turn's events (ids `0-<seq>`), so a re-attach on any
@@ -174,6 +176,28 @@ redis.call('SET', KEYS[4], value, 'PX', ARGV[4])
 return fence
 """
 
+# KEYS: running hash. ARGV: key prefix. Takes out the running turns whose lock or heartbeat is gone,
+# answering them (value, conv id, ...) to this caller alone.
+TAKE_DEAD = """
+local out = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local conv = all[i]
+  if redis.call('EXISTS', ARGV[1] .. 'lock:' .. conv, ARGV[1] .. 'beat:' .. conv) < 2 then
+    redis.call('HDEL', KEYS[1], conv)
+    table.insert(out, all[i + 1])
+    table.insert(out, conv)
+  end
+end
+return out
+"""
+
+# KEYS: running hash. ARGV: conv id, the value it was noted with. A later turn's entry stays.
+FORGET_RUNNING = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
 # KEYS: lock, fence, beat. ARGV: the lock's value. Bumping the fence makes the released lock stale.
 UNLOCK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -294,6 +318,8 @@ class RedisStore:
         self._lock = self.redis.register_script(LOCK)
         self._unlock = self.redis.register_script(UNLOCK)
         self._renew = self.redis.register_script(RENEW)
+        self._take_dead = self.redis.register_script(TAKE_DEAD)
+        self._forget_running = self.redis.register_script(FORGET_RUNNING)
         self._append_event = self.redis.register_script(APPEND_EVENT)
         # The conversations this process read or wrote last, newest at the end (a bounded cache).
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
@@ -320,6 +346,23 @@ class RedisStore:
 
     def beat_key(self, conv_id: str) -> str:
         return f"{self.prefix}beat:{conv_id}"
+
+    def running_key(self) -> str:
+        return f"{self.prefix}running"
+
+    async def note_running(self, conv_id: str, owner: str, turn_id: str) -> None:
+        with self.reachable():
+            await self.redis.hset(self.running_key(), conv_id, f"{owner}:{turn_id}")
+
+    async def forget_running(self, conv_id: str, owner: str, turn_id: str) -> None:
+        with self.reachable():
+            await self._forget_running(keys=[self.running_key()], args=[conv_id, f"{owner}:{turn_id}"])
+
+    async def take_dead_turns(self) -> list[tuple[str, str]]:
+        """(owner, conv id) of each noted turn whose process stopped beating; each is answered once, to one caller."""
+        with self.reachable():
+            flat = await self._take_dead(keys=[self.running_key()], args=[self.prefix])
+        return [(flat[i].decode().partition(":")[0], flat[i + 1].decode()) for i in range(0, len(flat), 2)]
 
     def _turn_keys(self, conv_id: str) -> tuple[str, str]:
         """The keys that both exist while a turn runs: its lock and its heartbeat."""

@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from person_events import PersonEvents
+from person_events import PersonEvents, tell_turn
 from redis_store import RedisStore
 from storage import StoreUnavailable
 from streaming import encode
@@ -51,11 +51,13 @@ class RedisTurnHub:
     def __init__(self, turns: Turns, store: RedisStore, events: PersonEvents | None = None) -> None:
         self.local = LocalTurnHub(turns, events)
         self.store = store
-        self._helpers: set[asyncio.Task] = set()  # per turn: its copy to Redis and its stop listener
+        self._helpers: set[asyncio.Task] = set()  # per turn: its copy to Redis, its stop listener, its note
+        self._sweeper = asyncio.create_task(self._tell_dead_turns(), name="dead turn sweeper")
 
     def start(self, turn: Turn) -> RunningTurn:
         running = self.local.start(turn)
-        for work, name in ((self._copy(running), "copy"), (self._listen_for_stop(running), "stop listener")):
+        for work, name in ((self._copy(running), "copy"), (self._listen_for_stop(running), "stop listener"),
+                           (self._noted(running), "note")):
             task = asyncio.create_task(work, name=f"turn {turn.conv_id} {name}")
             self._helpers.add(task)
             task.add_done_callback(self._helpers.discard)
@@ -117,11 +119,41 @@ class RedisTurnHub:
                                              block_ms=max(1, min(int(remaining * 1000), STOP_POLL_MS)))
 
     async def close(self) -> None:
+        self._sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweeper
         await self.local.close()
         if self._helpers:
             await asyncio.wait(list(self._helpers), timeout=CLOSE_WAIT)
         for task in list(self._helpers):
             task.cancel()
+
+    async def _noted(self, running: RunningTurn) -> None:
+        """While the turn runs, it is in the store's list of running turns (for `_tell_dead_turns`)."""
+        turn = running.turn
+        note = (running.conv_id, turn.store.owner, turn.assistant_id)
+        try:
+            await self.store.note_running(*note)
+            await asyncio.wait([running.task])
+            await self.store.forget_running(*note)
+        except StoreUnavailable:
+            pass  # a note left behind is taken out by the next sweep, once the lock is gone
+
+    async def _tell_dead_turns(self) -> None:
+        """Every beat: a turn whose process stopped beating ends for its owner's pages (their list's dot clears).
+
+        The store answers each dead turn to one process only, so its pages hear of it once.
+        """
+        while True:
+            await asyncio.sleep(self.store.renew_seconds)
+            try:
+                for owner, conv_id in await self.store.take_dead_turns():
+                    log.warning("the turn on %s stopped beating (its server is gone); telling its pages", conv_id)
+                    tell_turn(self.local.events, owner, conv_id, started=False)
+            except StoreUnavailable:
+                continue
+            except Exception:
+                log.exception("looking for turns whose server is gone failed; looking again at the next beat")
 
     async def _listen_for_stop(self, running: RunningTurn) -> None:
         """Until the turn ends: a Stop published by any process stops it here."""

@@ -3,9 +3,11 @@ deletions within a second, from whichever server made them; another person hears
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import queue
+import signal
 import threading
 import time
 
@@ -180,3 +182,36 @@ def test_a_change_made_on_one_server_reaches_a_page_connected_to_the_other(tmp_p
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_turn_whose_server_died_ends_for_the_pages_on_the_other(tmp_path, sim, redis_server):  # noqa: F811
+    env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
+           "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    a = LiveServer(tmp_path / "a" / "data", env)
+    b = LiveServer(tmp_path / "b" / "data", env)
+    page_on_b = Listener(b.base_url)
+    try:
+        conv = httpx.post(f"{a.base_url}/api/conversations", json={}, timeout=10).json()
+        sim.enqueue(Script(steps=[steps.Text("A reply that never ends "), steps.Sleep(60)]))
+        def ask() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # its server is killed mid-answer
+                httpx.post(f"{a.base_url}/api/conversations/{conv['id']}/messages", json={"content": "go on"},
+                           timeout=70)
+
+        threading.Thread(target=ask, daemon=True).start()
+        page_on_b.next("conversation", id=conv["id"], streaming=True, timeout=10)
+        killed = time.monotonic()
+        a.process.send_signal(signal.SIGKILL)
+        # Three missed beats of a second each, and the sweep's own beat: a few seconds, not the lock's 30.
+        page_on_b.next("turn", id=conv["id"], state="ended", timeout=10)
+        page_on_b.next("conversation", id=conv["id"], streaming=False)
+        noticed = time.monotonic() - killed
+        assert noticed < 10, noticed
+        listed = httpx.get(f"{b.base_url}/api/conversations", timeout=10).json()
+        assert [c["streaming"] for c in listed if c["id"] == conv["id"]] == [False]
+    finally:
+        page_on_b.close()
+        a.stop()
+        b.stop()
