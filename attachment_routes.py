@@ -24,7 +24,7 @@ from attachments import (
     library_scope, public,
 )
 from deps import OwnerDep, OwnerStoreDep
-from storage import NotFound
+from storage import NotFound, OwnerStore
 
 router = APIRouter(tags=["attachments"])
 
@@ -42,9 +42,10 @@ UPLOAD_BODY = {
 }
 ERRORS = {
     404: {"description": "no such conversation or attachment"},
-    413: {"description": "over MAX_ATTACHMENT_BYTES"},
+    413: {"description": "over MAX_ATTACHMENT_BYTES, or past the person's QUOTA_FILE_BYTES"},
     415: {"description": "not a PDF, DOCX or text file"},
-    422: {"description": "encrypted, damaged, image-only or empty; or not a multipart body"},
+    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read; or not a multipart body"},
+    429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
 }
 
 
@@ -167,10 +168,32 @@ async def receive_upload(request: Request, attachments: Attachments) -> _Upload:
     return upload
 
 
-async def _upload(request: Request, attachments: Attachments, scope: Scope) -> dict:
+def file_usage(attachments: Attachments, store: OwnerStore, conversations: list[dict]) -> int:
+    """The bytes of every file this person keeps: their conversations' and their library."""
+    scopes = [library_scope(store.owner), *(conversation_scope(c["id"]) for c in conversations)]
+    return attachments.used_bytes(scopes)
+
+
+def size_words(n: int) -> str:
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} bytes"
+
+
+async def _upload(request: Request, attachments: Attachments, scope: Scope, store: OwnerStore) -> dict:
     upload = await receive_upload(request, attachments)
+    quota = attachments.limits.quota_bytes
+
+    async def fits(size: int) -> None:
+        used = file_usage(attachments, store, await store.list())
+        if used + size > quota:
+            raise TooLarge(f"QUOTA_FILE_BYTES: your files take {size_words(used)} of the {size_words(quota)} "
+                           f"each person may keep, and this one ({size_words(size)}) does not fit; delete "
+                           "some files (in conversations or the library) first")
+
     try:
-        return await attachments.ingest(scope, upload.name or "", upload.path)
+        return await attachments.ingest(scope, upload.name or "", upload.path, store.owner, fits)
     except AttachmentError as exc:
         raise _fail(exc) from None
     finally:
@@ -212,7 +235,7 @@ async def upload_to_conversation(conv_id: ConversationDep, request: Request, att
                                  store: OwnerStoreDep) -> dict:
     """Attach a file (multipart field `file`): 201 with the Attachment."""
     scope = _conversation(conv_id)
-    stored = await _upload(request, attachments, scope)
+    stored = await _upload(request, attachments, scope, store)
     try:
         await store.get(conv_id)
     except NotFound:
@@ -241,9 +264,9 @@ async def delete_conversation_attachment(conv_id: ConversationDep, attachment_id
 
 
 @router.post("/api/library", status_code=201, openapi_extra=UPLOAD_BODY, responses=ERRORS)
-async def upload_to_library(request: Request, attachments: AttachmentsDep, owner: OwnerDep) -> dict:
+async def upload_to_library(request: Request, attachments: AttachmentsDep, store: OwnerStoreDep) -> dict:
     """Add a file to the person's library (multipart field `file`): 201 with the Attachment."""
-    return await _upload(request, attachments, library_scope(owner))
+    return await _upload(request, attachments, library_scope(store.owner), store)
 
 
 @router.get("/api/library")

@@ -79,8 +79,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         else:
             await store.ping()  # Redis expires conversations itself (a TTL on their keys)
             app.state.search = await exchange_routes.open_synced_index(active.data_dir)
-        attachments = Attachments(active.data_dir / "attachments",
-                                  Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages))
+        attachments = Attachments(active.data_dir / "attachments", Limits(
+            max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
+            timeout=active.extract_timeout, max_mb=active.extract_max_mb, workers=active.extract_workers,
+            queue=active.extract_queue, quota_bytes=active.quota_file_bytes))
         attachments.sweep()
         timeout = httpx.Timeout(active.upstream_timeout)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
