@@ -227,7 +227,7 @@ def extract_docx(path: Path, budget: _Text) -> list[dict]:
     except MemoryError:
         raise
     except Exception as exc:  # python-docx and lxml raise many kinds on a malformed package
-        if "memory" in str(exc).lower():  # lxml's own allocation failures under the limit
+        if _near_memory_limit():  # lxml reports a failed allocation as "unknown error"
             raise MemoryError from None
         raise Unreadable(f"the DOCX is damaged ({type(exc).__name__}: {exc})") from None
     sections: list[dict] = []
@@ -312,9 +312,21 @@ def _too_big(max_mb: int) -> str:
             "(EXTRACT_MAX_MB); it is built to inflate far beyond its size, or it is simply too big")
 
 
+_memory_limit_kb = 0
+
+
+def _near_memory_limit() -> bool:
+    """Whether this child's peak resident memory came within a quarter of its limit."""
+    import resource
+
+    return bool(_memory_limit_kb) and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > _memory_limit_kb * 3 // 4
+
+
 def _limit_self(max_mb: int, cpu_seconds: int) -> None:
     import resource
 
+    global _memory_limit_kb
+    _memory_limit_kb = max_mb * 1024
     resource.setrlimit(resource.RLIMIT_AS, (max_mb * 2**20, max_mb * 2**20))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a reader that aborts leaves no core file
