@@ -11,7 +11,9 @@ reached only through a conversation its owner can see, and the library is the ow
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Awaitable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -24,6 +26,7 @@ from attachments import (
     library_scope, public,
 )
 from deps import OwnerDep, OwnerStoreDep
+from routes.quota import check_files
 from storage import NotFound, OwnerStore
 
 router = APIRouter(tags=["attachments"])
@@ -168,36 +171,40 @@ async def receive_upload(request: Request, attachments: Attachments) -> _Upload:
     return upload
 
 
-def file_usage(attachments: Attachments, store: OwnerStore, conversations: list[dict]) -> int:
-    """The bytes of every file this person keeps: their conversations' and their library."""
-    scopes = [library_scope(store.owner), *(conversation_scope(c["id"]) for c in conversations)]
-    return attachments.used_bytes(scopes)
-
-
-def size_words(n: int) -> str:
-    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} bytes"
-
-
 async def _upload(request: Request, attachments: Attachments, scope: Scope, store: OwnerStore) -> dict:
     upload = await receive_upload(request, attachments)
-    quota = attachments.limits.quota_bytes
 
     async def fits(size: int) -> None:
-        used = file_usage(attachments, store, await store.list())
-        if used + size > quota:
-            raise TooLarge(f"QUOTA_FILE_BYTES: your files take {size_words(used)} of the {size_words(quota)} "
-                           f"each person may keep, and this one ({size_words(size)}) does not fit; delete "
-                           "some files (in conversations or the library) first")
+        await check_files(attachments, store, size)
 
     try:
-        return await attachments.ingest(scope, upload.name or "", upload.path, store.owner, fits)
+        return await _unless_abandoned(request, attachments.ingest(scope, upload.name or "", upload.path,
+                                                                   store.owner, fits))
     except AttachmentError as exc:
         raise _fail(exc) from None
     finally:
         upload.discard()
+
+
+async def _unless_abandoned(request: Request, reading: Awaitable[dict]) -> dict:
+    """`reading`, cancelled when the client hangs up first: an abandoned upload frees its reader now."""
+    work = asyncio.ensure_future(reading)
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.create_task(hung_up())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise HTTPException(422, "the upload was abandoned before its file was read")
+    return work.result()
 
 
 def _download(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:

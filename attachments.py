@@ -215,7 +215,7 @@ class Limits:
         return 2 * self.max_bytes
 
 
-# Called with an upload's size inside its person's turn; raises TooLarge when it does not fit.
+# Called with an upload's size inside its person's turn; raises when the file does not fit.
 RoomCheck = Callable[[int], Awaitable[None]]
 
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 import exchange
 from deps import OwnerStoreDep, StateDep
+from routes.quota import check_conversations
 from search_index import IndexFollower, SearchIndex
 from storage import FileStore, NotFound, OwnerStore, new_id, now_iso
 
@@ -143,6 +144,7 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
         imported = await anyio.to_thread.run_sync(exchange.parse_import, raw)
     except exchange.Unreadable as exc:
         return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
+    await check_conversations(state.settings.quota_conversations, store, len(imported))
     ids = []
     for conv in imported:
         created = await store.create(stored_conversation(conv, state, store.owner))

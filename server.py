@@ -25,7 +25,7 @@ import preset_routes
 from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
-from routes import conversations, memory, models, site
+from routes import conversations, memory, models, quota, site
 from security import Guard
 from attachments import Attachments, Limits
 from storage import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
@@ -125,7 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes):
+                   exchange_routes, quota):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app

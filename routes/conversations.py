@@ -19,6 +19,7 @@ from attachments import AttachmentNotFound, conversation_scope
 from config import ROOT, Settings
 from deps import OwnerStoreDep, StateDep
 from presets import PresetNotFound, Presets
+from routes.quota import check_conversations
 from schemas import (
     BranchSwitch, Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, FactsReview,
     Message, MessageCreate,
@@ -121,6 +122,7 @@ async def list_conversations(store: OwnerStoreDep, archived: Annotated[bool, Que
 async def create_conversation(state: StateDep, store: OwnerStoreDep,
                               body: ConversationCreate | None = None) -> Response:
     body = body or ConversationCreate()
+    await check_conversations(state.settings.quota_conversations, store)
     created = now_iso()
     conv = await store.create({
         "id": new_id(), "title": NEW_TITLE,

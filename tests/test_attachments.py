@@ -20,6 +20,7 @@ from attachments import (
     Attachments, Limits, attachment_context, attachment_listing, read_attachment, search_attachments,
 )
 from config import Settings
+from support import serve
 
 CJK_FONT = Path("/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc")
 LIMIT = 300_000
@@ -422,3 +423,37 @@ def test_sweep_removes_old_leftovers_only(tmp_path):
         os.utime(path, (0, 0))
     attachments.sweep()
     assert fresh.exists() and not old.exists() and not staging.exists()
+
+
+async def test_files_and_library_share_one_quota_and_passing_it_is_413_naming_it(tmp_path, sim):
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        quota_file_bytes=1000)
+    async with serve(settings) as (app, client):
+        conv = (await client.post("/api/conversations", json={})).json()
+        assert (await upload(client, conv["id"], "a.txt", b"a" * 600)).status_code == 201
+        kept = (await upload(client, "", "b.txt", b"b" * 300, "/api/library")).json()
+        assert (await client.get("/api/quota")).json() == {
+            "file_bytes": 900, "file_quota": 1000, "conversations": 1, "conversation_quota": 10_000}
+        other = (await client.post("/api/conversations", json={})).json()
+        refused = await upload(client, other["id"], "c.txt", b"c" * 200)
+        assert refused.status_code == 413
+        assert refused.json()["detail"].startswith("QUOTA_FILE_BYTES: your files take 900 bytes of the 1000 bytes")
+        assert len(stored_files(settings.data_dir)) == 6 and (await client.get("/api/library")).json() == [kept]
+        assert (await client.delete(f"/api/library/{kept['id']}")).status_code == 204
+        assert (await upload(client, other["id"], "c.txt", b"c" * 200)).status_code == 201
+
+
+async def test_conversations_past_the_quota_are_413_naming_it_made_or_imported(tmp_path, sim):
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        quota_conversations=2)
+    async with serve(settings) as (app, client):
+        first = (await client.post("/api/conversations", json={})).json()
+        exported = (await client.get(f"/api/conversations/{first['id']}/export")).content
+        assert (await client.post("/api/conversations", json={})).status_code == 201
+        refused = await client.post("/api/conversations", json={})
+        assert refused.status_code == 413
+        assert refused.json()["detail"].startswith("QUOTA_CONVERSATIONS: you have 2 of the 2 conversations")
+        imported = await client.post("/api/import", files={"file": ("export.json", exported)})
+        assert imported.status_code == 413 and "QUOTA_CONVERSATIONS" in imported.json()["detail"]
+        assert len((await client.get("/api/conversations")).json()) == 2
+        assert (await client.get("/api/quota")).json()["conversations"] == 2

@@ -192,7 +192,7 @@ async def test_a_reader_is_killed_when_its_upload_is_abandoned(server):
         pending = asyncio.create_task(upload(alice, conv["id"], "slow.docx", slow_docx()))
         await until(lambda: readers_of(server.process.pid))
         pending.cancel()
-        await until(lambda: not readers_of(server.process.pid), 10)
+        await until(lambda: not readers_of(server.process.pid), 4)  # EXTRACT_TIMEOUT is 8
         assert (await alice.get(f"/api/conversations/{conv['id']}/attachments")).json() == []
 
 
