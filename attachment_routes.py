@@ -11,7 +11,9 @@ reached only through a conversation its owner can see, and the library is the ow
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Awaitable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -24,7 +26,8 @@ from attachments import (
     library_scope, public,
 )
 from deps import OwnerDep, OwnerStoreDep
-from storage import NotFound
+from routes.quota import check_files
+from storage import NotFound, OwnerStore
 
 router = APIRouter(tags=["attachments"])
 
@@ -42,9 +45,10 @@ UPLOAD_BODY = {
 }
 ERRORS = {
     404: {"description": "no such conversation or attachment"},
-    413: {"description": "over MAX_ATTACHMENT_BYTES"},
+    413: {"description": "over MAX_ATTACHMENT_BYTES, or past the person's QUOTA_FILE_BYTES"},
     415: {"description": "not a PDF, DOCX or text file"},
-    422: {"description": "encrypted, damaged, image-only or empty; or not a multipart body"},
+    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read; or not a multipart body"},
+    429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
 }
 
 
@@ -167,14 +171,40 @@ async def receive_upload(request: Request, attachments: Attachments) -> _Upload:
     return upload
 
 
-async def _upload(request: Request, attachments: Attachments, scope: Scope) -> dict:
+async def _upload(request: Request, attachments: Attachments, scope: Scope, store: OwnerStore) -> dict:
     upload = await receive_upload(request, attachments)
+
+    async def fits(size: int) -> None:
+        await check_files(attachments, store, size)
+
     try:
-        return await attachments.ingest(scope, upload.name or "", upload.path)
+        return await _unless_abandoned(request, attachments.ingest(scope, upload.name or "", upload.path,
+                                                                   store.owner, fits))
     except AttachmentError as exc:
         raise _fail(exc) from None
     finally:
         upload.discard()
+
+
+async def _unless_abandoned(request: Request, reading: Awaitable[dict]) -> dict:
+    """`reading`, cancelled when the client hangs up first: an abandoned upload frees its reader now."""
+    work = asyncio.ensure_future(reading)
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.create_task(hung_up())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise HTTPException(422, "the upload was abandoned before its file was read")
+    return work.result()
 
 
 def _download(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:
@@ -212,7 +242,7 @@ async def upload_to_conversation(conv_id: ConversationDep, request: Request, att
                                  store: OwnerStoreDep) -> dict:
     """Attach a file (multipart field `file`): 201 with the Attachment."""
     scope = _conversation(conv_id)
-    stored = await _upload(request, attachments, scope)
+    stored = await _upload(request, attachments, scope, store)
     try:
         await store.get(conv_id)
     except NotFound:
@@ -241,9 +271,9 @@ async def delete_conversation_attachment(conv_id: ConversationDep, attachment_id
 
 
 @router.post("/api/library", status_code=201, openapi_extra=UPLOAD_BODY, responses=ERRORS)
-async def upload_to_library(request: Request, attachments: AttachmentsDep, owner: OwnerDep) -> dict:
+async def upload_to_library(request: Request, attachments: AttachmentsDep, store: OwnerStoreDep) -> dict:
     """Add a file to the person's library (multipart field `file`): 201 with the Attachment."""
-    return await _upload(request, attachments, library_scope(owner))
+    return await _upload(request, attachments, library_scope(store.owner), store)
 
 
 @router.get("/api/library")

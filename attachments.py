@@ -3,10 +3,11 @@ disk, and searched by the model through two tools that take only what the model 
 
 Promises:
 - A file is recognised by its content (magic bytes) and its extension, never by the type the
-  client claims. PDF (pypdfium2), DOCX (python-docx) and UTF-8 text-like files are read in a
-  worker thread with a page cap and a time limit, so the event loop keeps serving every other
-  stream while a long PDF is read. Text is kept per page (PDF) or per section (DOCX headings,
-  bounded chunks of text files), each with its position, so an answer can cite "report.pdf p. 12".
+  client claims. PDF (pypdfium2), DOCX (python-docx) and UTF-8 text-like files are recognised and
+  read by `extraction.py` in a child process under a memory and time limit, one per person at a
+  time, so no file can exhaust the server or hold up other people's uploads. Text is kept per page
+  (PDF) or per section (DOCX headings, bounded chunks of text files), each with its position, so
+  an answer can cite "report.pdf p. 12".
 - Any failure raises an `AttachmentError` carrying its HTTP status and a sentence saying what was
   wrong; nothing is stored then. A stored attachment is a directory
   `DATA_DIR/attachments/<scope>/<id>/` holding `meta.json`, `pages.json` and `original`, which
@@ -26,12 +27,10 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 import unicodedata
-import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -41,51 +40,24 @@ from pathlib import Path, PurePosixPath
 import orjson
 
 import pii
+from extraction import (  # noqa: F401  (the errors are this module's too)
+    ACCEPTED, AttachmentError, Busy, Extractor, TEXT_TYPES, TooLarge, Unreadable, Unsupported, extension,
+)
 from storage import atomic_write, new_id, now_iso, valid_id
 
 log = logging.getLogger("chat.attachments")
 
 # Measured on a generated 300-page PDF (400 words a page, equal text from both after whitespace
 # normalisation): pypdfium2 1,885 pages/s, pypdf 622 pages/s. pypdf also returned NUL-padded
-# text for a CJK CID font that pypdfium2 read correctly. Hence pypdfium2.
+# text for a CJK CID font that pypdfium2 read correctly. Hence pypdfium2 (in extraction.py).
 MEDIA_PDF = "application/pdf"
 MEDIA_DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
-# Text-like files by extension. Markup that a browser would render (html, xml, svg) is served as
-# plain text: a download must never become a page of this origin.
-TEXT_TYPES = {
-    ".txt": "text/plain", ".md": "text/markdown", ".markdown": "text/markdown", ".csv": "text/csv",
-    ".tsv": "text/tab-separated-values", ".json": "application/json", ".jsonl": "application/json",
-    **dict.fromkeys((
-        ".rst", ".log", ".py", ".pyi", ".js", ".mjs", ".cjs", ".jsx", ".ts", ".tsx", ".go", ".rs",
-        ".java", ".kt", ".kts", ".scala", ".swift", ".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp",
-        ".cs", ".rb", ".php", ".pl", ".lua", ".r", ".m", ".dart", ".html", ".htm", ".css", ".scss",
-        ".xml", ".svg", ".yaml", ".yml", ".toml", ".ini", ".cfg", ".conf", ".env", ".properties",
-        ".sh", ".bash", ".zsh", ".fish", ".ps1", ".bat", ".sql", ".graphql", ".proto", ".tex",
-        ".bib", ".vue", ".svelte", ".tf", ".gradle", ".cmake", ".mk", ".diff", ".patch", ".srt",
-        ".vtt", ".org", ".adoc",
-    ), "text/plain"),
-}
-# Extensionless names that are text by convention.
-TEXT_NAMES = {"makefile", "dockerfile", "readme", "license", "changelog", "gemfile", "procfile"}
-OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # old Office files, and encrypted new ones
-# Content that is certainly not something we read, whatever its name says.
-BINARY_MAGIC = (
-    b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"7z\xbc\xaf",
-    b"Rar!", OLE_MAGIC, b"\x7fELF", b"MZ", b"II*\x00", b"MM\x00*", b"OggS", b"fLaC", b"ID3",
-)
-ACCEPTED = "PDF, DOCX, or a UTF-8 text file (.txt .md .csv .json, source code, ...)"
 
 NAME_MAX = 255
-SECTION_CHARS = 4000  # a DOCX section or a text-file chunk
 PASSAGE_CHARS = 1000  # what one search hit shows
 SEARCH_HITS = 5
 READ_MAX_CHARS = 20_000  # one read_attachment answer (~5k tokens)
-EXTRACT_TIMEOUT = 60.0
-# A DOCX is a zip: refuse one that would inflate past this before python-docx parses it.
-DOCX_MAX_INFLATED = 256 * 1024 * 1024
 INDEX_CACHE = 16
-# pdfium is not thread-safe: calls from two threads at once corrupt its state.
-_PDFIUM = threading.Lock()
 # Owner names become one directory level under library/, so they are held to this.
 _OWNER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -93,32 +65,8 @@ NO_CONTEXT = ("There are no attachments in this context: this tool only works in
               "turn, and sees the files attached to that conversation (and the library when enabled).")
 
 
-class AttachmentError(Exception):
-    """A file refused or missing; `status` is the HTTP answer and the message says why."""
-
-    status = 422
-
-
-class TooLarge(AttachmentError):
-    status = 413
-
-
-class Unsupported(AttachmentError):
-    status = 415
-
-
-class Unreadable(AttachmentError):
-    """Encrypted, damaged, image-only, empty or too slow to read."""
-
-    status = 422
-
-
 class AttachmentNotFound(AttachmentError):
     status = 404
-
-
-class _Cancelled(Exception):
-    """The time limit passed; the worker thread stops at its next page."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,66 +131,12 @@ def sanitize_name(name: str) -> str:
     return name or "unnamed"
 
 
-def _extension(name: str) -> str:
-    # Pure string work: the name is never handed to the filesystem.
-    return PurePosixPath(name.replace("\\", "/")).suffix.lower()
-
-
-def detect(path: Path, name: str) -> str:
-    """"pdf", "docx" or "text", from the content first and the extension second; Unsupported otherwise."""
-    with open(path, "rb") as f:
-        head = f.read(1024)
-    ext = _extension(name)
-    # Readers accept a PDF header after a little junk, but a script that merely mentions "%PDF-"
-    # is not a PDF: only a .pdf gets that leeway.
-    if head.startswith(b"%PDF-") or (ext == ".pdf" and b"%PDF-" in head):
-        return "pdf"
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        if ext == ".docx":
-            return "docx"
-        try:
-            with zipfile.ZipFile(path) as z:
-                if "word/document.xml" in z.namelist():
-                    return "docx"
-        except zipfile.BadZipFile:
-            pass
-        raise Unsupported(f"this is a zip archive, not a file type this server reads; send {ACCEPTED}")
-    if ext == ".docx" and head.startswith(OLE_MAGIC):
-        # Word keeps a password-protected DOCX inside an OLE container, not a zip.
-        raise Unreadable("the DOCX is encrypted (password-protected); remove the password and upload it again")
-    if ext == ".docx":
-        raise Unreadable("the DOCX file is damaged: it is not a zip archive as every DOCX is")
-    if ext == ".pdf":
-        raise Unreadable("the PDF file is damaged: it has no PDF header")
-    if head.startswith(BINARY_MAGIC):
-        raise Unsupported(f"this kind of file is not supported; send {ACCEPTED}")
-    bare = PurePosixPath(name.replace("\\", "/")).name.lower()
-    if ext in TEXT_TYPES or (not ext and (bare in TEXT_NAMES or "." not in bare)):
-        return "text"
-    raise Unsupported(f"{ext or 'this'} files are not supported; send {ACCEPTED}")
-
-
 def media_type(kind: str, name: str) -> str:
     if kind == "pdf":
         return MEDIA_PDF
     if kind == "docx":
         return MEDIA_DOCX
-    return TEXT_TYPES.get(_extension(name), "text/plain")
-
-
-# -- extraction (runs in a worker thread) ------------------------------------------------------
-
-# Control characters but tab and newline, and lone surrogates. A regex, not a loop over characters:
-# the worker thread holds the GIL while it runs, and the event loop waits for the GIL meanwhile.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def _clean(text: str) -> str:
-    return _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
-
-
-def _section(page: int, label: str, text: str) -> dict:
-    return {"page": page, "label": label, "text": text}
+    return TEXT_TYPES.get(extension(name), "text/plain")
 
 
 def cited_as(meta: dict, section: dict) -> str:
@@ -252,126 +146,6 @@ def cited_as(meta: dict, section: dict) -> str:
     if meta.get("media_type") == MEDIA_DOCX and label != f"section {section['page']}":
         return f"§ {label}"
     return label
-
-
-def extract_pdf(path: Path, max_pages: int, cancelled: threading.Event) -> tuple[list[dict], int]:
-    """Pages of text (at most max_pages) and the document's page count."""
-    import pypdfium2 as pdfium
-
-    with _PDFIUM:
-        try:
-            doc = pdfium.PdfDocument(str(path))
-        except pdfium.PdfiumError as exc:
-            if getattr(exc, "err_code", None) == pdfium.raw.FPDF_ERR_PASSWORD:
-                raise Unreadable("the PDF is encrypted (password-protected); remove the password and "
-                                 "upload it again") from None
-            raise Unreadable(f"the PDF is damaged and could not be opened ({exc})") from None
-        try:
-            total = len(doc)
-            pages = []
-            for index in range(min(total, max_pages)):
-                if cancelled.is_set():
-                    raise _Cancelled
-                page = doc[index]
-                textpage = page.get_textpage()
-                try:
-                    pages.append(_section(index + 1, f"p. {index + 1}", _clean(textpage.get_text_bounded())))
-                finally:
-                    textpage.close()
-                    page.close()
-        except pdfium.PdfiumError as exc:
-            raise Unreadable(f"the PDF is damaged: reading page {len(pages) + 1} failed ({exc})") from None
-        finally:
-            doc.close()
-    if total == 0:
-        raise Unreadable("the PDF is damaged: it has no pages")
-    if not any(p["text"].strip() for p in pages):
-        raise Unreadable("the PDF has no text layer (a scanned or image-only PDF); this server does not "
-                         "read text from images")
-    return pages, total
-
-
-def extract_docx(path: Path, cancelled: threading.Event) -> list[dict]:
-    """Sections split at headings and at SECTION_CHARS, numbered from 1."""
-    import docx
-    from docx.table import Table
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            if sum(i.file_size for i in z.infolist()) > DOCX_MAX_INFLATED:
-                raise Unreadable("the DOCX inflates to more than "
-                                 f"{DOCX_MAX_INFLATED // 2**20} MiB; it was not read")
-            if "word/document.xml" not in z.namelist():
-                raise Unreadable("the DOCX is damaged: it has no word/document.xml")
-        document = docx.Document(str(path))
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
-        raise Unreadable(f"the DOCX is damaged or truncated ({exc})") from None
-    except Unreadable:
-        raise
-    except Exception as exc:  # python-docx and lxml raise many kinds on a malformed package
-        raise Unreadable(f"the DOCX is damaged ({type(exc).__name__}: {exc})") from None
-    sections: list[dict] = []
-    heading, lines, size = "", [], 0
-
-    def close() -> None:
-        nonlocal lines, size
-        text = "\n".join(lines).strip()
-        if text:
-            number = len(sections) + 1
-            sections.append(_section(number, heading or f"section {number}", text))
-        lines, size = [], 0
-
-    for block in document.iter_inner_content():
-        if cancelled.is_set():
-            raise _Cancelled
-        if isinstance(block, Table):
-            text = "\n".join(" | ".join(c.text.strip() for c in row.cells) for row in block.rows)
-        else:
-            text = block.text
-            style = (block.style.name if block.style is not None else "") or ""
-            if text.strip() and (style.startswith("Heading") or style == "Title"):
-                close()
-                heading = _clean(text).strip()[:200]
-        text = _clean(text)
-        if size + len(text) > SECTION_CHARS and lines:
-            close()
-        lines.append(text)
-        size += len(text) + 1
-    close()
-    if not sections:
-        raise Unreadable("the DOCX has no text")
-    return sections
-
-
-def extract_text(path: Path, cancelled: threading.Event) -> list[dict]:
-    """Chunks of at most SECTION_CHARS, cut at line ends, labelled with their line numbers."""
-    data = path.read_bytes()
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        encoding = "utf-16"
-    else:
-        encoding = "utf-8-sig"
-    try:
-        text = data.decode(encoding)
-    except UnicodeDecodeError as exc:
-        raise Unreadable(f"the file is not UTF-8 text (invalid byte at offset {exc.start}); save it as "
-                         "UTF-8 and upload it again") from None
-    if "\x00" in text:
-        raise Unreadable("the file is binary, not text (it contains NUL bytes)")
-    sections: list[dict] = []
-    chunk, size, first = [], 0, 1
-    for number, line in enumerate(_clean(text).split("\n"), start=1):
-        if size + len(line) > SECTION_CHARS and chunk:
-            if cancelled.is_set():
-                raise _Cancelled
-            sections.append(_section(len(sections) + 1, f"lines {first}-{number - 1}", "\n".join(chunk)))
-            chunk, size, first = [], 0, number
-        chunk.append(line[: SECTION_CHARS * 4])  # one enormous line (minified code) stays bounded
-        size += len(line) + 1
-    if chunk:
-        sections.append(_section(len(sections) + 1, f"lines {first}-{number}", "\n".join(chunk)))
-    if not any(s["text"].strip() for s in sections):
-        raise Unreadable("the file is empty")
-    return sections
 
 
 # -- search ------------------------------------------------------------------------------------
@@ -443,8 +217,22 @@ def _masked_pages(pages: list[dict]) -> list[dict]:
 class Limits:
     max_bytes: int = 20 * 1024 * 1024
     max_pages: int = 1000
-    timeout: float = EXTRACT_TIMEOUT
+    timeout: float = 30.0  # EXTRACT_TIMEOUT
+    max_mb: int = 512  # EXTRACT_MAX_MB
+    workers: int = 2  # EXTRACT_WORKERS
+    queue: int = 8  # EXTRACT_QUEUE
+    quota_bytes: int = 2**30  # QUOTA_FILE_BYTES, per person: conversations' files and library together
     mask_pii: bool = False  # PII_MASKING=on: the text kept (and read to the model) is masked
+
+    @property
+    def max_chars(self) -> int:
+        # A text file's characters are at most its bytes; PDF and DOCX text rarely outgrows the
+        # file twice over. Past this the text the server would hold is refused.
+        return 2 * self.max_bytes
+
+
+# Called with an upload's size inside its person's turn; raises when the file does not fit.
+RoomCheck = Callable[[int], Awaitable[None]]
 
 
 class Attachments:
@@ -457,7 +245,7 @@ class Attachments:
         self.root = root
         self.limits = limits
         self.incoming = root / ".incoming"
-        # Two workers: a DOCX or a text file need not wait for a long PDF (PDFs take turns anyway).
+        self.extractor = Extractor(limits.max_mb, limits.timeout, limits.workers, limits.queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="attachments")
         self._metas: dict[str, list[dict]] = {}
         self._generation: dict[str, int] = {}
@@ -497,8 +285,13 @@ class Attachments:
         fd, name = tempfile.mkstemp(dir=self.incoming, prefix="upload-", suffix=".part")
         return fd, Path(name)
 
-    async def ingest(self, scope: Scope, name: str, upload: Path) -> dict:
-        """Read `upload` (a temporary file this call consumes) and store it; AttachmentError otherwise."""
+    async def ingest(self, scope: Scope, name: str, upload: Path, person: str,
+                     fits: RoomCheck | None = None) -> dict:
+        """Read `upload` (a temporary file this call consumes) and store it; AttachmentError otherwise.
+
+        `person`'s uploads are read one at a time; `fits`, checked in that turn, refuses one that
+        would pass the person's quota.
+        """
         display = sanitize_name(name)
         try:
             size = upload.stat().st_size
@@ -506,42 +299,31 @@ class Attachments:
                 raise TooLarge(f"the file is over {self.limits.max_bytes} bytes")
             if size == 0:
                 raise Unreadable("the file is empty")
-            kind = await asyncio.get_running_loop().run_in_executor(self._executor, detect, upload, display)
-            pages, total = await self._extract(kind, upload)
-            if self.limits.mask_pii:
-                pages = await asyncio.get_running_loop().run_in_executor(self._executor, _masked_pages, pages)
-            meta = {
-                "id": new_id(), "name": display, "media_type": media_type(kind, display), "bytes": size,
-                "pages": total if kind == "pdf" else None, "chars": sum(len(p["text"]) for p in pages),
-                "created_at": now_iso(), "kind": kind, "sections": len(pages),
-            }
-            if kind == "pdf" and total > len(pages):
-                meta["pages_read"] = len(pages)
-            await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._commit, scope, meta, pages, upload)
+            async with self.extractor.turn(person):
+                if fits is not None:
+                    await fits(size)
+                read = await self.extractor.run(upload, display, max_pages=self.limits.max_pages,
+                                                max_chars=self.limits.max_chars)
+                kind, pages, total = read["kind"], read["pages"], read["total"]
+                if self.limits.mask_pii:
+                    pages = await asyncio.get_running_loop().run_in_executor(self._executor, _masked_pages, pages)
+                meta = {
+                    "id": new_id(), "name": display, "media_type": media_type(kind, display), "bytes": size,
+                    "pages": total if kind == "pdf" else None, "chars": sum(len(p["text"]) for p in pages),
+                    "created_at": now_iso(), "kind": kind, "sections": len(pages),
+                }
+                if kind == "pdf" and total > len(pages):
+                    meta["pages_read"] = len(pages)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._commit, scope, meta, pages, upload)
+                self._changed(scope)
         finally:
             upload.unlink(missing_ok=True)
-        self._changed(scope)
         return public(meta)
 
-    async def _extract(self, kind: str, path: Path) -> tuple[list[dict], int]:
-        cancelled = threading.Event()
-
-        def run() -> tuple[list[dict], int]:
-            if kind == "pdf":
-                return extract_pdf(path, self.limits.max_pages, cancelled)
-            sections = extract_docx(path, cancelled) if kind == "docx" else extract_text(path, cancelled)
-            return sections, len(sections)
-
-        job = asyncio.get_running_loop().run_in_executor(self._executor, run)
-        try:
-            return await asyncio.wait_for(asyncio.shield(job), self.limits.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise Unreadable(f"reading the file took longer than {self.limits.timeout:g} s; it was not "
-                             "stored") from None
-        finally:
-            cancelled.set()  # stops the worker at its next page if it is still reading
-            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed, not logged
+    def used_bytes(self, scopes: Iterable[Scope]) -> int:
+        """The bytes of the files stored in these scopes."""
+        return sum(m.get("bytes", 0) for s in scopes for m in self.list(s))
 
     def _commit(self, scope: Scope, meta: dict, pages: list[dict], upload: Path) -> None:
         """Move the upload and its text into place: the directory appears whole or not at all."""

@@ -114,6 +114,15 @@ class Settings(BaseSettings):
     max_message_chars: int = Field(200_000, gt=0)
     max_attachment_bytes: int = Field(20_971_520, gt=0)
     max_attachment_pages: int = Field(1000, gt=0)
+    # Files are read in a child process limited to this much memory and time, then killed.
+    extract_max_mb: int = Field(512, ge=64)
+    extract_timeout: float = Field(30.0, gt=0)
+    # Children reading at once (one per person at a time), and reads allowed to wait before 429.
+    extract_workers: int = Field(2, ge=1)
+    extract_queue: int = Field(8, ge=0)
+    # Per person: the bytes of all their files (conversations' and library) and their conversations.
+    quota_file_bytes: int = Field(2**30, gt=0)
+    quota_conversations: int = Field(10_000, gt=0)
 
     # Where conversations live: files under DATA_DIR (one process) or Redis (several).
     store: Literal["files", "redis"] = "files"

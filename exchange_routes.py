@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 import exchange
 import pii
 from deps import OwnerStoreDep, StateDep
+from routes.quota import check_conversations
 from search_index import IndexFollower, SearchIndex
 from storage import FileStore, NotFound, OwnerStore, new_id, now_iso
 
@@ -145,6 +146,7 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
     except exchange.Unreadable as exc:
         return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
     lineup = {m.id for m in await state.lineup()}
+    await check_conversations(state.settings.quota_conversations, store, len(imported))
     ids, warnings = [], []
     for conv in imported:
         replaced = model_replaced(conv["model"], lineup, state.settings.default_model)

@@ -29,7 +29,7 @@ from config import Settings, get_settings
 from deps import State
 from failures import keep_secret
 from person_events import PersonEvents, RedisPersonEvents
-from routes import conversations, live, memory, models, site
+from routes import conversations, live, memory, models, quota, site
 from security import SECURITY_HEADERS, Guard
 from attachments import Attachments, Limits
 from storage import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
@@ -84,9 +84,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         else:
             await store.ping()  # Redis expires conversations itself (a TTL on their keys)
             app.state.search = await exchange_routes.open_synced_index(active.data_dir)
-        attachments = Attachments(active.data_dir / "attachments",
-                                  Limits(max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
-                                         mask_pii=active.pii_masking == "on"))
+        attachments = Attachments(active.data_dir / "attachments", Limits(
+            max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
+            timeout=active.extract_timeout, max_mb=active.extract_max_mb, workers=active.extract_workers,
+            queue=active.extract_queue, quota_bytes=active.quota_file_bytes,
+            mask_pii=active.pii_masking == "on"))
         attachments.sweep()
         if active.pii_masking == "on":
             await anyio.to_thread.run_sync(pii.prepare)  # its table, built now rather than on the first message
@@ -139,7 +141,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes, live):
+                   exchange_routes, live, quota):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app

@@ -186,7 +186,7 @@ async def main(data: bytes) -> dict:
         upload = Path(tmp) / "report.pdf"
         upload.write_bytes(data)
         start = time.perf_counter()
-        _, lags = await lag_while(store.ingest(scope, "report.pdf", upload))
+        _, lags = await lag_while(store.ingest(scope, "report.pdf", upload, "bench"))
         ingest_rate = PAGES / (time.perf_counter() - start)
 
         # Text files of 900-character lines: four make a section, and each is one passage.
@@ -196,7 +196,7 @@ async def main(data: bytes) -> dict:
             text = "\n".join(words(rng, 120)[:900].rsplit(" ", 1)[0] for _ in range(per_file))
             path = Path(tmp) / f"corpus{number}.txt"
             path.write_text(text, encoding="utf-8")
-            await store.ingest(corpus, path.name, path)
+            await store.ingest(corpus, path.name, path, "bench")
         with att.attachment_context(store, "benchcorpus00", "local"):
             start = time.perf_counter()
             index = await store.index(att.attachment_scope.get().scopes)

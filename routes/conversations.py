@@ -20,6 +20,7 @@ from attachments import AttachmentNotFound, conversation_scope
 from config import ROOT, Settings
 from deps import OwnerStoreDep, StateDep
 from presets import PresetNotFound, Presets
+from routes.quota import check_conversations
 from schemas import (
     BranchSwitch, Conversation, ConversationCreate, ConversationEntry, ConversationPatch, Draft, Empty, FactsReview,
     Message, MessageCreate,
@@ -123,6 +124,7 @@ async def list_conversations(store: OwnerStoreDep, archived: Annotated[bool, Que
 async def create_conversation(state: StateDep, store: OwnerStoreDep,
                               body: ConversationCreate | None = None) -> Response:
     body = body or ConversationCreate()
+    await check_conversations(state.settings.quota_conversations, store)
     model = body.model or state.settings.default_model
     if not await state.turns.in_lineup(model):
         return JSONResponse({"detail": not_in_lineup(model)}, status_code=422)

@@ -61,6 +61,7 @@ export const api = {
   deletePreset: (name) => request("DELETE", `/api/presets/${encodeURIComponent(name)}`),
   memory: () => request("GET", "/api/memory"),
   saveMemory: (text) => request("PUT", "/api/memory", { text }),
+  quota: () => request("GET", "/api/quota"),
   conversations: ({ archived = false } = {}) =>
     request("GET", archived ? "/api/conversations?archived=true" : "/api/conversations"),
   createConversation: (body) => request("POST", "/api/conversations", body),

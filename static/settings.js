@@ -69,6 +69,19 @@ export class SettingsPanel {
     wireInfoMarkers(this.dialog);
   }
 
+  /** The read-only line saying what the person's files and conversations take of their quotas. */
+  async renderQuota() {
+    const line = $("quota-line");
+    try {
+      const q = await api.quota();
+      const count = (n) => n.toLocaleString("en-US");
+      line.textContent = `Files: ${sizeWords(q.file_bytes)} of ${sizeWords(q.file_quota)}; ` +
+        `conversations: ${count(q.conversations)} of ${count(q.conversation_quota)}`;
+    } catch {
+      line.textContent = "";
+    }
+  }
+
   async open({ focus } = {}) {
     for (const id of ["settings-status", "models-status"]) setStatus(id, "");
     this.hideDiscard();
@@ -80,6 +93,7 @@ export class SettingsPanel {
       this.savedMemory = null;
       setStatus("settings-status", err.message, true);
     }
+    this.renderQuota();
     this.fillConversation();
     this.presetEditor.render();
     this.renderLineup();
@@ -320,6 +334,13 @@ export class SettingsPanel {
           ? "The configured gateway does not answer: check that it is running and GATEWAY_BASE_URL in .env."
           : "Connected to a configured gateway. If it rejects the key, fix GATEWAY_API_KEY in .env.";
   }
+}
+
+function sizeWords(bytes) {
+  for (const [unit, size] of [["GB", 2 ** 30], ["MB", 2 ** 20], ["KB", 2 ** 10]]) {
+    if (bytes >= size) return `${Number((bytes / size).toPrecision(3))} ${unit}`;
+  }
+  return `${bytes} bytes`;
 }
 
 function badge(text) {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import threading
 import zipfile
 from pathlib import Path
 from urllib.parse import quote
@@ -16,10 +15,12 @@ from fpdf import FPDF
 from pypdf import PdfReader, PdfWriter
 
 import attachments as att
+import extraction
 from attachments import (
     Attachments, Limits, attachment_context, attachment_listing, read_attachment, search_attachments,
 )
 from config import Settings
+from support import serve
 
 CJK_FONT = Path("/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc")
 LIMIT = 300_000
@@ -290,7 +291,7 @@ async def test_encrypted_truncated_and_image_only_files_are_422_saying_which(api
         ("cut.docx", whole[: len(whole) // 2], "truncated"),
         ("scan.pdf", bytes(image_only.output()), "no text layer"),
         ("latin1.txt", "caf\xe9".encode("latin-1"), "not UTF-8"),
-        ("locked.docx", att.OLE_MAGIC + bytes(512), "encrypted"),
+        ("locked.docx", extraction.OLE_MAGIC + bytes(512), "encrypted"),
         ("bomb.docx", zip_bomb(), "inflates to more than"),
     ]:
         response = await upload(client, conv["id"], name, data)
@@ -341,36 +342,11 @@ async def test_an_html_upload_downloads_as_plain_text(api, client):
     assert download.headers["content-disposition"].startswith("attachment;")
 
 
-async def test_extraction_runs_off_the_event_loop(api, client, app, monkeypatch):
-    conv = await api.new()
-    started = threading.Event()
-    real = att.extract_pdf
-
-    def extract_pdf(*args):
-        started.set()
-        return real(*args)
-
-    monkeypatch.setattr(att, "extract_pdf", extract_pdf)
-    # While another thread holds pdfium (as a long PDF being read would), the upload waits in its
-    # worker thread and the event loop goes on answering.
-    with att._PDFIUM:
-        pending = asyncio.create_task(upload(client, conv["id"], "report.pdf", make_pdf(TOPICS)))
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
-        assert started.is_set()
-        answer = await asyncio.wait_for(client.get(f"/api/conversations/{conv['id']}"), 10)
-        assert answer.status_code == 200 and not pending.done()
-    response = await asyncio.wait_for(pending, 30)
-    assert response.status_code == 201
-
-
 async def test_page_cap_and_time_limit(tmp_path):
     pdf = tmp_path / "in.pdf"
     capped = Attachments(tmp_path / "capped", Limits(max_pages=3))
     pdf.write_bytes(make_pdf(TOPICS))
-    meta = await capped.ingest(att.conversation_scope("conversation1"), "r.pdf", pdf)
+    meta = await capped.ingest(att.conversation_scope("conversation1"), "r.pdf", pdf, "local")
     assert (meta["pages"], meta["pages_read"]) == (10, 3)
     scope = att.AttachmentScope(capped, (att.conversation_scope("conversation1"),))
     token = att.attachment_scope.set(scope)
@@ -382,7 +358,7 @@ async def test_page_cap_and_time_limit(tmp_path):
     slow = Attachments(tmp_path / "slow", Limits(timeout=0.001))
     pdf.write_bytes(make_pdf(TOPICS * 30))
     with pytest.raises(att.Unreadable, match="took longer"):
-        await slow.ingest(att.conversation_scope("conversation1"), "r.pdf", pdf)
+        await slow.ingest(att.conversation_scope("conversation1"), "r.pdf", pdf, "local")
     assert not pdf.exists() and stored_files(tmp_path / "slow") == []
 
 
@@ -448,3 +424,37 @@ def test_sweep_removes_old_leftovers_only(tmp_path):
         os.utime(path, (0, 0))
     attachments.sweep()
     assert fresh.exists() and not old.exists() and not staging.exists()
+
+
+async def test_files_and_library_share_one_quota_and_passing_it_is_413_naming_it(tmp_path, sim):
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        quota_file_bytes=1000)
+    async with serve(settings) as (app, client):
+        conv = (await client.post("/api/conversations", json={})).json()
+        assert (await upload(client, conv["id"], "a.txt", b"a" * 600)).status_code == 201
+        kept = (await upload(client, "", "b.txt", b"b" * 300, "/api/library")).json()
+        assert (await client.get("/api/quota")).json() == {
+            "file_bytes": 900, "file_quota": 1000, "conversations": 1, "conversation_quota": 10_000}
+        other = (await client.post("/api/conversations", json={})).json()
+        refused = await upload(client, other["id"], "c.txt", b"c" * 200)
+        assert refused.status_code == 413
+        assert refused.json()["detail"].startswith("QUOTA_FILE_BYTES: your files take 900 bytes of the 1000 bytes")
+        assert len(stored_files(settings.data_dir)) == 6 and (await client.get("/api/library")).json() == [kept]
+        assert (await client.delete(f"/api/library/{kept['id']}")).status_code == 204
+        assert (await upload(client, other["id"], "c.txt", b"c" * 200)).status_code == 201
+
+
+async def test_conversations_past_the_quota_are_413_naming_it_made_or_imported(tmp_path, sim):
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        quota_conversations=2)
+    async with serve(settings) as (app, client):
+        first = (await client.post("/api/conversations", json={})).json()
+        exported = (await client.get(f"/api/conversations/{first['id']}/export")).content
+        assert (await client.post("/api/conversations", json={})).status_code == 201
+        refused = await client.post("/api/conversations", json={})
+        assert refused.status_code == 413
+        assert refused.json()["detail"].startswith("QUOTA_CONVERSATIONS: you have 2 of the 2 conversations")
+        imported = await client.post("/api/import", files={"file": ("export.json", exported)})
+        assert imported.status_code == 413 and "QUOTA_CONVERSATIONS" in imported.json()["detail"]
+        assert len((await client.get("/api/conversations")).json()) == 2
+        assert (await client.get("/api/quota")).json()["conversations"] == 2

@@ -265,3 +265,11 @@ def test_settings_work_from_the_keyboard(page):
     expect(dialog).to_be_hidden()
     expect(opener).to_be_focused()
     assert opener.evaluate("el => getComputedStyle(el).outlineStyle") == "solid"
+
+
+def test_settings_show_the_persons_files_and_conversations_against_their_quotas(page, server):
+    dialog = open_settings(page)
+    quota = server.api("GET", "/api/quota").json()
+    line = dialog.get_by_test_id("quota")
+    expect(line).to_have_text(re.compile(
+        rf"^Files: [0-9.]+ (bytes|KB|MB) of 1 GB; conversations: {quota['conversations']:,} of 10,000$"))
