@@ -48,9 +48,12 @@ def test_a_rename_a_new_conversation_and_a_turn_in_one_tab_show_in_another(page,
     expect(assistant_messages(other_tab).last).to_have_attribute("data-status", "complete")
     expect(listed(other_tab, first).get_by_test_id("conversation-running")).to_have_count(0)
 
-    # A new conversation made in the first tab is listed in the second.
+    # A new conversation made in the first tab is listed in the second once it holds a message
+    # (an empty one is listed only where it is open, so others' lists do not fill with them).
     made = new_conversation(page)
     assert made != first
+    sim.enqueue(Script([steps.Text("A new thread.")]))
+    exchange(page, "start something new")
     expect(listed(other_tab, made)).to_have_count(1)
     assert other_tab.js_errors == [], other_tab.js_errors
     other_tab.context.close()
@@ -59,7 +62,6 @@ def test_a_rename_a_new_conversation_and_a_turn_in_one_tab_show_in_another(page,
 def test_the_page_makes_no_requests_while_idle_or_while_a_turn_runs_elsewhere(page, server, sim):
     live(page)
     elsewhere = httpx.post(f"{server.base_url}/api/conversations", json={}, timeout=10).json()
-    expect(listed(page, elsewhere["id"])).to_have_count(1)
     requests: list[str] = []
     page.on("request", lambda request: requests.append(request.url))
     # A turn of several seconds in another conversation (another device's) inside the window, then nothing.
