@@ -37,6 +37,7 @@ import attachments
 import context as prompt_context
 import webfetch
 from config import Settings
+from extraction import Extractor
 
 log = logging.getLogger("chat.tools")
 
@@ -131,6 +132,8 @@ class ToolContext:
     propose_fact: Callable[[str], None] | None = None
     # Parallel `remember` calls in one batch read and write the same memory: one at a time.
     memory_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The server's file readers (the uploads' own): web_fetch reads a PDF through them, in `owner`'s turn.
+    extractor: Extractor | None = None
 
 
 _current: ContextVar[ToolContext | None] = ContextVar("tool_context", default=None)
@@ -510,6 +513,9 @@ async def web_fetch(
             max_bytes=settings.fetch_max_bytes if settings else webfetch.DEFAULT_MAX_BYTES,
             timeout=settings.tool_timeout if settings else DEFAULT_TOOL_TIMEOUT,
             allow_hosts=settings.fetch_allow_hosts if settings else (),
+            extractor=ctx.extractor if ctx else None,
+            person=(ctx.owner or "") if ctx else "",
+            pdf_max_pages=settings.max_attachment_pages if settings else webfetch.PDF_MAX_PAGES,
         )
     except webfetch.FetchError as exc:
         raise ToolError(str(exc)) from None

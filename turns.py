@@ -652,7 +652,8 @@ class Turns:
         write_memory = write_masked if masking else turn.store.write_memory
         approve = conv["settings"].get("approve_facts", self.settings.approve_facts)
         return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
-                                 owner=turn.store.owner, propose_fact=propose if approve else None)
+                                 owner=turn.store.owner, propose_fact=propose if approve else None,
+                                 extractor=self.attachments.extractor if self.attachments else None)
 
     def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
         """Without web tools the budget sentence would promise searches the model cannot make."""

@@ -7,7 +7,9 @@ spelled in decimal, hex or octal are recognised); the connection goes to an addr
 checked, never to a second lookup (DNS rebinding), with TLS still verified against the host name;
 every redirect is checked the same way (at most `MAX_REDIRECTS`); reading stops at `max_bytes`
 and says so. Hosts in `allow_hosts` skip the address check (tests, intranets) but are pinned too.
-HTML becomes readable text (trafilatura) with its title; PDFs go through `extract_pdf_text`.
+HTML becomes readable text (trafilatura) with its title. A PDF is read like an upload, by
+extraction.py's child process under its memory and time limits, so a PDF built to inflate ends
+with the child and never grows the server; its failures are `FetchError`s.
 
 It knows nothing of tools, turns or settings: callers pass the limits.
 """
@@ -16,21 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import ipaddress
+import os
 import re
 import socket
 import ssl
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+
+from extraction import AttachmentError, Extractor
 
 DEFAULT_MAX_BYTES = 2_097_152
 MAX_REDIRECTS = 5
 USER_AGENT = "Mozilla/5.0 (compatible; self-hosted-chat web_fetch)"
 ACCEPT = "text/html,application/xhtml+xml,application/pdf,text/plain;q=0.9,*/*;q=0.5"
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+PDF_MAX_PAGES = 1000  # MAX_ATTACHMENT_PAGES's default, for callers without settings
 
 CARRIER_GRADE_NAT = ipaddress.IPv4Network("100.64.0.0/10")
 IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
@@ -236,8 +243,14 @@ async def _read_capped(response: httpx.Response, max_bytes: int) -> tuple[bytes,
 
 async def fetch(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = 30.0,
                 allow_hosts: Iterable[str] = (), resolve: Resolver | None = None,
-                max_redirects: int = MAX_REDIRECTS, tls: ssl.SSLContext | None = None) -> Page:
-    """Fetch `url` as text under the rules in the module docstring; `tls` replaces the system's trust store."""
+                max_redirects: int = MAX_REDIRECTS, tls: ssl.SSLContext | None = None,
+                extractor: Extractor | None = None, person: str = "",
+                pdf_max_pages: int = PDF_MAX_PAGES) -> Page:
+    """Fetch `url` as text under the rules in the module docstring; `tls` replaces the system's trust store.
+
+    A PDF is read by `extractor` in `person`'s turn (the server's, shared with uploads), or without
+    one by a child under extraction.py's default limits.
+    """
     resolve = resolve or system_resolve
     allow = tuple(allow_hosts)
     current: str | httpx.URL = url.strip()
@@ -259,17 +272,19 @@ async def fetch(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float 
                 charset = response.charset_encoding
             finally:
                 await response.aclose()
-            return await _page(str(target.url), body, content_type, charset, truncated)
+            return await _page(str(target.url), body, content_type, charset, truncated,
+                               extractor or Extractor(), person, pdf_max_pages)
     raise FetchError(f"more than {max_redirects} redirects")
 
 
-async def _page(url: str, body: bytes, content_type: str, charset: str | None, truncated: bool) -> Page:
-    """Turn the bytes into readable text by their type, off the event loop."""
+async def _page(url: str, body: bytes, content_type: str, charset: str | None, truncated: bool,
+                extractor: Extractor, person: str, pdf_max_pages: int) -> Page:
+    """Turn the bytes into readable text by their type, off the event loop (a PDF: out of the process)."""
     kind = content_type or _sniff(body)
     if kind == "application/pdf" or body.startswith(b"%PDF-"):
         if truncated:
             raise FetchError("the PDF is larger than FETCH_MAX_BYTES, and a cut PDF cannot be read")
-        title, text = await asyncio.to_thread(extract_pdf_text, body)
+        title, text = await read_pdf(body, extractor, person, pdf_max_pages)
         return Page(url, title, text, "application/pdf", False, len(body))
     if kind in ("text/html", "application/xhtml+xml"):
         title, text = await asyncio.to_thread(html_to_text, body, url)
@@ -317,17 +332,27 @@ def _html_title(html: bytes) -> str | None:
     return title or None
 
 
-def extract_pdf_text(data: bytes) -> tuple[str | None, str]:
-    """(title, text) of a PDF, page by page. Stand-in until attachments.py's extractor is shared."""
-    import pypdf
-
+async def read_pdf(data: bytes, extractor: Extractor, person: str, max_pages: int) -> tuple[str | None, str]:
+    """(title, text) of a PDF, page by page, read by the extractor's child from a private temp file."""
+    fd, name = tempfile.mkstemp(prefix="web_fetch-", suffix=".pdf")  # 0600: only the server reads it
+    path = Path(name)
     try:
-        reader = pypdf.PdfReader(io.BytesIO(data))
-        title = (reader.metadata.title if reader.metadata else None) or None
-        pages = [(page.extract_text() or "").strip() for page in reader.pages]
-    except pypdf.errors.PyPdfError as exc:
-        raise FetchError(f"the PDF could not be read ({exc})") from None
-    text = "\n\n".join(f"[page {n}]\n{t}" for n, t in enumerate(pages, 1) if t)
-    if not text:
-        raise FetchError("the PDF has no extractable text (a scanned document?)")
-    return title, text
+        await asyncio.to_thread(_write_all, fd, data)
+        async with extractor.turn(person):
+            # The text may be twice the PDF's bytes, as for an upload; past that it is refused.
+            read = await extractor.run(path, "fetched.pdf", max_pages=max_pages, max_chars=2 * len(data))
+    except AttachmentError as exc:
+        raise FetchError(f"the PDF could not be read: {exc}") from None
+    finally:
+        path.unlink(missing_ok=True)
+    if read["kind"] != "pdf":
+        raise FetchError("the PDF could not be read: the content is not a PDF")
+    text = "\n\n".join(f"[page {p['page']}]\n{p['text'].strip()}" for p in read["pages"] if p["text"].strip())
+    if read["total"] > len(read["pages"]):
+        text += f"\n\n[Only the first {len(read['pages'])} of {read['total']} pages were read.]"
+    return read["title"], text
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)

@@ -32,16 +32,22 @@ RELS = ('<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformat
         'officeDocument" Target="word/document.xml"/></Relationships>')
 
 
-def pdf_bomb(inflated_mib: int = 300) -> bytes:
-    """One page whose content stream inflates to `inflated_mib` MiB of line-drawing operators."""
+def pdf_bomb(inflated_mib: int = 300, with_font: bool = False) -> bytes:
+    """One page whose content stream inflates to `inflated_mib` MiB of line-drawing operators.
+
+    `with_font`: the page's resources name a font, so a reader that skips a page without one
+    (pypdf's text extraction) inflates the stream too.
+    """
     operators = b"0 0 m 1 1 l S\n" * (2**20 // 14)
     packer = zlib.compressobj(9)
     stream = b"".join(packer.compress(operators) for _ in range(inflated_mib)) + packer.flush()
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << >> >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources %s >>"
+        % (b"<< /Font << /F1 5 0 R >> >>" if with_font else b"<< >>"),
         b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(stream), stream),
+        *([b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"] if with_font else []),
     ]
     out = io.BytesIO(b"%PDF-1.4\n")
     out.seek(0, 2)

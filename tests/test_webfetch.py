@@ -5,6 +5,8 @@ reading stops at the cap, and HTML and PDF become text."""
 from __future__ import annotations
 
 import ssl
+import tempfile
+from pathlib import Path
 
 import pytest
 import trustme
@@ -211,6 +213,52 @@ async def test_a_pdf_cut_at_the_cap_is_an_error_not_garbage(server):
     server.routes["/big.pdf"] = (200, {"Content-Type": "application/pdf"}, minimal_pdf("x" * 400))
     with pytest.raises(FetchError, match="larger than FETCH_MAX_BYTES"):
         await webfetch.fetch(server.url("/big.pdf"), max_bytes=200, timeout=5, allow_hosts=["127.0.0.1"])
+
+
+def peak_memory_reset() -> int:
+    """Reset this process's VmHWM to what it holds now and return that, in KiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_kb()["VmHWM"]
+
+
+def status_kb() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+async def test_a_fetched_pdf_bomb_is_a_tool_error_and_the_server_stays_small(server, tmp_path):
+    from config import Settings
+    from extraction import Extractor
+    from test_extraction import pdf_bomb
+    from tools import ToolContext, registry, tool_context
+
+    server.routes["/bomb.pdf"] = (200, {"Content-Type": "application/pdf"}, pdf_bomb(with_font=True))
+    server.routes["/paper.pdf"] = (200, {"Content-Type": "application/pdf"}, minimal_pdf("Quarterly rainfall report"))
+    settings = Settings(_env_file=None, data_dir=tmp_path / "data", fetch_allow_hosts=["127.0.0.1"], tool_timeout=30)
+
+    async def unused() -> str:
+        return ""
+
+    async def unused_write(text: str) -> None:
+        pass
+
+    ctx = ToolContext("conv-1", settings, unused, unused_write, owner="alice",
+                      extractor=Extractor(max_mb=256, timeout=10))
+    with tool_context(ctx):
+        before = peak_memory_reset()
+        bomb = await registry.run("web_fetch", {"url": server.url("/bomb.pdf")}, ["web_fetch"])
+        grown = (status_kb()["VmHWM"] - before) // 1024
+        paper = await registry.run("web_fetch", {"url": server.url("/paper.pdf")}, ["web_fetch"])
+    assert grown < 64, f"the bomb took this process's peak {grown} MB above where it was"
+    assert not bomb.ok
+    assert bomb.text.startswith("[tool error] web_fetch: the PDF could not be read: reading the file needed more "
+                                "than the 256 MB"), bomb.text
+    assert paper.ok and "[page 1]\nQuarterly rainfall report" in paper.text, paper.text
+    assert not list(Path(tempfile.gettempdir()).glob("web_fetch-*.pdf"))  # the temp files went with the reads
 
 
 async def test_unreadable_types_and_http_errors_are_fetch_errors(server):
