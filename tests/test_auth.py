@@ -137,9 +137,7 @@ async def test_every_api_route_answers_401_without_a_valid_session(server, sim):
         client.cookies.clear()
         assert (await log_in(client, "alice", A_PASSWORD)).status_code == 204
         for method, path in sorted(routes, key=lambda r: r[1] == "/api/auth/logout"):  # logout last
-            if path == "/api/events":  # an answer that never ends: its status is enough
-                async with client.stream(method, path) as response:
-                    assert response.status_code == 200, (method, path)
+            if path == "/api/events":  # never ends, and ASGI transport waits for the end: test_person_events
                 continue
             response = await client.request(method, path, json={} if method != "GET" else None)
             assert response.status_code != 401, (method, path)
