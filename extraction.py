@@ -143,6 +143,10 @@ def _clean(text: str) -> str:
     return _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
+def _lines_label(first: int, last: int) -> str:
+    return f"line {first}" if first == last else f"lines {first}-{last}"
+
+
 def _section(page: int, label: str, text: str) -> dict:
     return {"page": page, "label": label, "text": text}
 
@@ -278,12 +282,12 @@ def extract_text(path: Path, budget: _Text) -> list[dict]:
     chunk, size, first = [], 0, 1
     for number, line in enumerate(_clean(text).split("\n"), start=1):
         if size + len(line) > SECTION_CHARS and chunk:
-            sections.append(_section(len(sections) + 1, f"lines {first}-{number - 1}", "\n".join(chunk)))
+            sections.append(_section(len(sections) + 1, _lines_label(first, number - 1), "\n".join(chunk)))
             chunk, size, first = [], 0, number
         chunk.append(line[: SECTION_CHARS * 4])  # one enormous line (minified code) stays bounded
         size += len(line) + 1
     if chunk:
-        sections.append(_section(len(sections) + 1, f"lines {first}-{number}", "\n".join(chunk)))
+        sections.append(_section(len(sections) + 1, _lines_label(first, number), "\n".join(chunk)))
     if not any(s["text"].strip() for s in sections):
         raise Unreadable("the file is empty")
     return sections

@@ -1,6 +1,6 @@
 """Browser: a turn with tool calls shows each call live in the activity trail (running, then done
 or failed, with its arguments and result summary) and draws the same trail from the stored reply
-after a reload; attachment citations are chips naming file and page."""
+after a reload; attachment citations are chips naming file and place."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_tool_calls_show_live_and_after_reload_with_file_page_chips(page, server
     expect(reply).to_have_attribute("data-status", "complete")
     expect(trail.locator("summary")).to_have_text("Used 2 tools · 1 failed")
     chip = reply.get_by_test_id("citation")
-    expect(chip).to_have_text(["1plan.txt p. 1"])
+    expect(chip).to_have_text(["1plan.txt line 1"])
 
     page.reload()
     reply = assistant_messages(page).last
@@ -52,4 +52,4 @@ def test_tool_calls_show_live_and_after_reload_with_file_page_chips(page, server
     trail.locator("summary").click()
     expect(trail.get_by_test_id("tool-step")).to_have_count(2)
     expect(trail.get_by_test_id("tool-step").nth(0)).to_contain_text("Ran search_attachments")
-    expect(reply.get_by_test_id("citation")).to_have_text(["1plan.txt p. 1"])
+    expect(reply.get_by_test_id("citation")).to_have_text(["1plan.txt line 1"])
