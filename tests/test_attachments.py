@@ -90,7 +90,9 @@ def zip_bomb() -> bytes:
 
 def stored_files(data_dir: Path) -> list[Path]:
     root = data_dir / "attachments"
-    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+    # The passage index (and its -wal/-shm) is not a stored file.
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(att.INDEX_FILE)) \
+        if root.exists() else []
 
 
 def store(app) -> Attachments:
@@ -370,7 +372,8 @@ async def test_deleting_a_scope_removes_its_files_and_search_forgets_them(api, c
         await store(app).delete_scope(att.conversation_scope(conv["id"]))
         assert (await search_attachments("launch code")).text == "No files are attached to this conversation."
     assert stored_files(settings.data_dir) == []
-    assert os.listdir(settings.data_dir / "attachments") == [".incoming"]
+    assert [n for n in os.listdir(settings.data_dir / "attachments") if not n.startswith(att.INDEX_FILE)] == [".incoming"]
+    assert store(app).search_index.missing(att.conversation_scope(conv["id"]), ["x"]) == ["x"]
 
 
 async def test_library_routes_and_docx_sections(client, app):
