@@ -461,3 +461,13 @@ async def test_conversations_past_the_quota_are_413_naming_it_made_or_imported(t
         assert imported.status_code == 413 and "QUOTA_CONVERSATIONS" in imported.json()["detail"]
         assert len((await client.get("/api/conversations")).json()) == 2
         assert (await client.get("/api/quota")).json()["conversations"] == 2
+
+
+async def test_files_stored_before_the_index_are_found_on_first_search(api, client, app):
+    conv = await api.new()
+    await upload(client, conv["id"], "old.txt", "감귤은 제주에서 자란다. The vault code is zebra nine.".encode())
+    scope = att.conversation_scope(conv["id"])
+    store(app).search_index.remove(scope)  # as if stored before the index existed
+    with attachment_context(store(app), conv["id"], "local"):
+        assert "zebra nine" in (await search_attachments("vault code")).passages[0]["text"]
+        assert (await search_attachments("감귤")).passages
