@@ -26,10 +26,11 @@ import logging
 import os
 import re
 import shutil
+import sqlite3
 import tempfile
+import threading
 import time
 import unicodedata
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -56,8 +57,8 @@ MEDIA_DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.doc
 NAME_MAX = 255
 PASSAGE_CHARS = 1000  # what one search hit shows
 SEARCH_HITS = 5
+INDEX_FILE = "passages.sqlite3"  # DATA_DIR/attachments/passages.sqlite3
 READ_MAX_CHARS = 20_000  # one read_attachment answer (~5k tokens)
-INDEX_CACHE = 16
 # Owner names become one directory level under library/, so they are held to this.
 _OWNER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -187,24 +188,127 @@ def split_passages(text: str, limit: int = PASSAGE_CHARS) -> list[str]:
     return out
 
 
+PASSAGES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS indexed (scope TEXT NOT NULL, attachment_id TEXT NOT NULL,
+    PRIMARY KEY (scope, attachment_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS passages (
+    id INTEGER PRIMARY KEY, scope TEXT NOT NULL, attachment_id TEXT NOT NULL, name TEXT NOT NULL,
+    page INTEGER NOT NULL, label TEXT NOT NULL, cited_as TEXT NOT NULL, text TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS passages_attachment ON passages (scope, attachment_id);
+CREATE VIRTUAL TABLE IF NOT EXISTS fts USING fts5(tokens, tokenize="unicode61 remove_diacritics 0 tokenchars '_'");
+"""
+INDEX_BATCH = 2000  # passages written per transaction while a scope's older files are indexed
+
+
 class SearchIndex:
-    """BM25 over the passages of a set of scopes."""
+    """BM25 over every scope's passages, on disk in one SQLite FTS5 file, so memory stays the same
+    however large a library grows.
 
-    def __init__(self, passages: list[Passage]) -> None:
-        import bm25s
+    The FTS5 table holds `tokenize`'s tokens joined by spaces (so Hangul/CJK bigrams and word
+    tokens are what FTS5 sees), ranked by FTS5's bm25(). `indexed` names the attachments whose
+    passages are in; files stored before this index existed are added on their scope's first search.
+    Writes go through one connection under a lock; calls come from worker threads.
+    """
 
-        self.passages = passages
-        self.bm25 = None
-        if passages:
-            self.bm25 = bm25s.BM25()
-            self.bm25.index([tokenize(p.text) for p in passages], show_progress=False)
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
 
-    def search(self, query: str, k: int = SEARCH_HITS) -> list[Passage]:
-        tokens = [t for t in tokenize(query) if self.bm25 is not None and t in self.bm25.vocab_dict]
-        if not tokens:
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            _make_private(self.path)
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.executescript(PASSAGES_SCHEMA)
+            self._conn = conn
+        return self._conn
+
+    def add(self, scope: Scope, meta: dict, pages: Iterable[dict]) -> None:
+        """Index one attachment's passages, in batches of INDEX_BATCH rows per transaction."""
+        with self._lock:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM fts WHERE rowid IN (SELECT id FROM passages WHERE scope = ? "
+                           "AND attachment_id = ?)", (scope.key, meta["id"]))
+                db.execute("DELETE FROM passages WHERE scope = ? AND attachment_id = ?", (scope.key, meta["id"]))
+                written = 0
+                for page in pages:
+                    for text in split_passages(page["text"]):
+                        row = db.execute(
+                            "INSERT INTO passages (scope, attachment_id, name, page, label, cited_as, text) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (scope.key, meta["id"], meta["name"], page["page"], page["label"],
+                             cited_as(meta, page), text)).lastrowid
+                        db.execute("INSERT INTO fts (rowid, tokens) VALUES (?, ?)", (row, " ".join(tokenize(text))))
+                        written += 1
+                        if written % INDEX_BATCH == 0:
+                            db.execute("COMMIT")
+                            db.execute("BEGIN IMMEDIATE")
+                db.execute("INSERT OR IGNORE INTO indexed (scope, attachment_id) VALUES (?, ?)",
+                           (scope.key, meta["id"]))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def remove(self, scope: Scope, attachment_id: str | None = None) -> None:
+        """Drop one attachment's passages, or the whole scope's when `attachment_id` is None."""
+        where, args = ("scope = ?", (scope.key,)) if attachment_id is None else \
+            ("scope = ? AND attachment_id = ?", (scope.key, attachment_id))
+        with self._lock:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(f"DELETE FROM fts WHERE rowid IN (SELECT id FROM passages WHERE {where})", args)
+                db.execute(f"DELETE FROM passages WHERE {where}", args)
+                db.execute(f"DELETE FROM indexed WHERE {where}", args)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def missing(self, scope: Scope, ids: Iterable[str]) -> list[str]:
+        with self._lock:
+            have = {r[0] for r in self._db().execute(
+                "SELECT attachment_id FROM indexed WHERE scope = ?", (scope.key,))}
+        return [i for i in ids if i not in have]
+
+    def search(self, scopes: dict[str, Scope], live: set[str], query: str,
+               k: int = SEARCH_HITS) -> list[Passage]:
+        """The best `k` passages of these scopes (keyed by scope key) from attachments in `live`."""
+        tokens = list(dict.fromkeys(tokenize(query)))
+        if not tokens or not scopes:
             return []
-        docs, scores = self.bm25.retrieve([tokens], k=min(k, len(self.passages)), show_progress=False)
-        return [self.passages[int(d)] for d, s in zip(docs[0], scores[0]) if s > 0]
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in tokens)
+        marks = ",".join("?" * len(scopes))
+        with self._lock:
+            rows = self._db().execute(
+                "SELECT p.attachment_id, p.name, p.page, p.label, p.text, p.scope, p.cited_as "
+                f"FROM fts JOIN passages p ON p.id = fts.rowid WHERE fts MATCH ? AND p.scope IN ({marks}) "
+                "ORDER BY bm25(fts) LIMIT ?", (match, *scopes, 4 * k)).fetchall()
+        # Rows of a file another process deleted may linger until its next write: skipped here.
+        hits = [Passage(a, n, page, label, text, scopes[s].source, c)
+                for a, n, page, label, text, s, c in rows if a in live]
+        return hits[:k]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _make_private(path: Path) -> None:
+    """The index holds the files' text: 0600 like the files (SQLite gives its -wal and -shm files the
+    database's own mode)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
 
 
 # -- the store ---------------------------------------------------------------------------------
@@ -248,15 +352,14 @@ class Attachments:
         self.extractor = Extractor(limits.max_mb, limits.timeout, limits.workers, limits.queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="attachments")
         self._metas: dict[str, list[dict]] = {}
-        self._generation: dict[str, int] = {}
-        self._indexes: OrderedDict[tuple, asyncio.Future] = OrderedDict()
+        self.search_index = SearchIndex(root / INDEX_FILE)
+        self._indexing: dict[str, asyncio.Future] = {}
 
     def _dir(self, scope: Scope) -> Path:
         return self.root / scope.key
 
     def _changed(self, scope: Scope) -> None:
         self._metas.pop(scope.key, None)
-        self._generation[scope.key] = self._generation.get(scope.key, 0) + 1
 
     def sweep(self, older_than: float = 3600.0) -> None:
         """Remove what a crash left behind: partial uploads, staging and half-deleted directories.
@@ -341,6 +444,10 @@ class Attachments:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         _fsync_dir(final.parent)
+        try:
+            self.search_index.add(scope, meta, pages)
+        except sqlite3.Error as exc:  # the file is stored; its scope's next search indexes it
+            log.error("could not index attachment %s/%s: %s", scope.key, meta["id"], exc)
 
     def list(self, scope: Scope) -> list[dict]:
         """The scope's attachments (stored meta, oldest first); cached until the next change."""
@@ -382,12 +489,14 @@ class Attachments:
         doomed = self._dir(scope) / f".deleting-{meta['id']}"
         os.rename(target, doomed)
         self._changed(scope)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope, meta["id"])
         await asyncio.to_thread(shutil.rmtree, doomed, True)
 
     async def delete_scope(self, scope: Scope) -> None:
         """Remove every attachment of a scope (a deleted conversation's files)."""
         directory = self._dir(scope)
         self._changed(scope)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope)
         if directory.is_dir():
             doomed = directory.with_name(f".deleting-{directory.name}-{new_id()}")
             os.rename(directory, doomed)
@@ -399,40 +508,36 @@ class Attachments:
             self.get(scope, attachment_id)
         return list(ids)
 
-    async def index(self, scopes: tuple[Scope, ...]) -> SearchIndex:
-        """The BM25 index over these scopes, built once in a worker thread and cached until a change."""
-        key = tuple((s.key, self._generation.get(s.key, 0)) for s in scopes)
-        future = self._indexes.get(key)
-        if future is None:
-            gathered = [(s, self.list(s)) for s in scopes]
-            future = asyncio.get_running_loop().run_in_executor(self._executor, self._build, gathered)
-            self._indexes[key] = future
-            while len(self._indexes) > INDEX_CACHE:
-                self._indexes.popitem(last=False)
-        self._indexes.move_to_end(key)
-        try:
-            return await asyncio.shield(future)
-        except BaseException:
-            if future.done():
-                self._indexes.pop(key, None)
-            raise
+    async def search(self, scopes: tuple[Scope, ...], query: str, k: int = SEARCH_HITS) -> list[Passage]:
+        """The best passages of these scopes for `query`; files not yet in the index are added first."""
+        loop = asyncio.get_running_loop()
+        live: set[str] = set()
+        for scope in scopes:
+            metas = self.list(scope)
+            live.update(m["id"] for m in metas)
+            # One catch-up per scope at a time; later searches wait for it rather than repeat it.
+            pending = self._indexing.get(scope.key)
+            if pending is None:
+                pending = loop.run_in_executor(self._executor, self._catch_up, scope, metas)
+                self._indexing[scope.key] = pending
+                pending.add_done_callback(lambda _, key=scope.key: self._indexing.pop(key, None))
+            await asyncio.shield(pending)
+        return await loop.run_in_executor(self._executor, self.search_index.search,
+                                          {s.key: s for s in scopes}, live, query, k)
 
-    def _build(self, gathered: list[tuple[Scope, list[dict]]]) -> SearchIndex:
-        passages = []
-        for scope, metas in gathered:
-            for meta in metas:
-                try:
-                    pages = orjson.loads((self._dir(scope) / meta["id"] / "pages.json").read_bytes())
-                except (OSError, orjson.JSONDecodeError):
-                    continue  # deleted meanwhile
-                for page in pages:
-                    for text in split_passages(page["text"]):
-                        passages.append(Passage(meta["id"], meta["name"], page["page"], page["label"],
-                                                text, scope.source, cited_as(meta, page)))
-        return SearchIndex(passages)
+    def _catch_up(self, scope: Scope, metas: list[dict]) -> None:
+        """Index the scope's files stored before the index had them, one file at a time."""
+        for attachment_id in self.search_index.missing(scope, [m["id"] for m in metas]):
+            meta = next(m for m in metas if m["id"] == attachment_id)
+            try:
+                pages = orjson.loads((self._dir(scope) / attachment_id / "pages.json").read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                continue  # deleted meanwhile
+            self.search_index.add(scope, meta, pages)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.search_index.close()
 
 
 def public(meta: dict) -> dict:
@@ -524,8 +629,7 @@ async def search_attachments(query: str) -> AttachmentToolResult:
         return AttachmentToolResult(NO_CONTEXT, "no attachment context")
     if not any(scope.attachments.list(s) for s in scope.scopes):
         return AttachmentToolResult("No files are attached to this conversation.", "no files")
-    index = await scope.attachments.index(scope.scopes)
-    hits = index.search(query)
+    hits = await scope.attachments.search(scope.scopes, query)
     if not hits:
         return AttachmentToolResult(f"No passage in the attached files matches {query!r}.", "no match")
     blocks = [f"[{n}] {_where(p)} ({p.source})\n{p.text}" for n, p in enumerate(hits, start=1)]

@@ -90,7 +90,9 @@ def zip_bomb() -> bytes:
 
 def stored_files(data_dir: Path) -> list[Path]:
     root = data_dir / "attachments"
-    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+    # The passage index (and its -wal/-shm) is not a stored file.
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(att.INDEX_FILE)) \
+        if root.exists() else []
 
 
 def store(app) -> Attachments:
@@ -370,7 +372,8 @@ async def test_deleting_a_scope_removes_its_files_and_search_forgets_them(api, c
         await store(app).delete_scope(att.conversation_scope(conv["id"]))
         assert (await search_attachments("launch code")).text == "No files are attached to this conversation."
     assert stored_files(settings.data_dir) == []
-    assert os.listdir(settings.data_dir / "attachments") == [".incoming"]
+    assert [n for n in os.listdir(settings.data_dir / "attachments") if not n.startswith(att.INDEX_FILE)] == [".incoming"]
+    assert store(app).search_index.missing(att.conversation_scope(conv["id"]), ["x"]) == ["x"]
 
 
 async def test_library_routes_and_docx_sections(client, app):
@@ -458,3 +461,13 @@ async def test_conversations_past_the_quota_are_413_naming_it_made_or_imported(t
         assert imported.status_code == 413 and "QUOTA_CONVERSATIONS" in imported.json()["detail"]
         assert len((await client.get("/api/conversations")).json()) == 2
         assert (await client.get("/api/quota")).json()["conversations"] == 2
+
+
+async def test_files_stored_before_the_index_are_found_on_first_search(api, client, app):
+    conv = await api.new()
+    await upload(client, conv["id"], "old.txt", "감귤은 제주에서 자란다. The vault code is zebra nine.".encode())
+    scope = att.conversation_scope(conv["id"])
+    store(app).search_index.remove(scope)  # as if stored before the index existed
+    with attachment_context(store(app), conv["id"], "local"):
+        assert "zebra nine" in (await search_attachments("vault code")).passages[0]["text"]
+        assert (await search_attachments("감귤")).passages

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import os
+import random
 import time
 import zipfile
 import zlib
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from auth import UserFile
+from simulator import Script, steps
 from support import LiveServer
 from test_attachments import make_docx, upload
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
@@ -240,3 +242,44 @@ async def test_a_docm_refusal_names_the_file_type_and_no_server_path(api, client
     assert "macroEnabled" in detail and "save it as .docx" in detail
     for leak in (str(settings.data_dir), ".incoming", "upload-", ".part", os.sep + "tmp"):
         assert leak not in detail
+
+
+def library_text(seed: int, size: int) -> bytes:
+    """`size` bytes of prose-like lines over a vocabulary of 50,000 made-up words, as a large
+    real library has: many distinct terms, so an index that keeps its postings in memory grows."""
+    rng = random.Random(seed)
+    vocabulary = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(4, 10))) for _ in range(50_000)]
+    lines, total = [], 0
+    while total < size:
+        line = " ".join(rng.choices(vocabulary, k=12)) + ".\n"
+        lines.append(line)
+        total += len(line)
+    return "".join(lines).encode()
+
+
+async def test_a_large_library_is_searched_without_the_server_holding_it(server, sim):
+    """40 MiB of library text (item 8: 160 MiB took the server to 3.5 GB), then a search that must
+    find one planted passage: the server's peak grows by far less than the library's size."""
+    async with person(server, "alice", A_PASSWORD) as alice:
+        conv = (await alice.post("/api/conversations", json={})).json()
+        assert (await alice.patch(f"/api/conversations/{conv['id']}",
+                                  json={"settings": {"library": True}})).status_code == 200
+        start = memory_kb(server.process.pid)
+        planted = b"\nThe harbour pilot's call sign is zephyrquokka seven.\n"
+        for n in range(12):
+            body = library_text(n, 3_500_000) + (planted if n == 7 else b"")
+            stored = await upload(alice, "", f"volume{n}.txt", body, "/api/library")
+            assert stored.status_code == 201, stored.text
+        before = memory_kb(server.process.pid)
+        sim.enqueue(Script([steps.ToolCall("search_attachments", {"query": "zephyrquokka call sign"})]),
+                    Script([steps.Text("Found it.")]))
+        answer = await alice.post(f"/api/conversations/{conv['id']}/messages", json={"content": "search"},
+                                  timeout=120)
+        assert answer.status_code == 200 and "event: done" in answer.text, answer.text[-500:]
+        reply = (await alice.get(f"/api/conversations/{conv['id']}")).json()["messages"][-1]
+        seen = reply["rounds"][0]["results"][0]["content"]
+        assert "zephyrquokka seven" in seen and "volume7.txt" in seen, seen[:500]
+        grown = (memory_kb(server.process.pid)["VmHWM"] - before["VmRSS"]) // 1024
+        assert grown < 100, f"searching a 40 MiB library took the server's peak {grown} MB up"
+        kept = (memory_kb(server.process.pid)["VmRSS"] - start["VmRSS"]) // 1024
+        assert kept < 100, f"the server holds {kept} MB more after storing and searching the library"
