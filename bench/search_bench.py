@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from search_index import SearchIndex  # noqa: E402
+from chatserver.search.index import SearchIndex  # noqa: E402
 
 CONVERSATIONS = 1_000
 MESSAGES_EACH = 100

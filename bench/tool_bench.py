@@ -26,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import tools  # noqa: E402
-from config import Settings  # noqa: E402
-from simulator import GatewaySimulator, Script, steps  # noqa: E402
+
+from chatserver.config import Settings  # noqa: E402
+from gateway_sim.simulator import GatewaySimulator, Script, steps  # noqa: E402
 from support import serve  # noqa: E402
 
 TURNS = 60

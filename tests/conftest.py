@@ -7,14 +7,17 @@ import os
 import httpx
 import pytest
 
-from config import Settings
-from server import create_app
-from simulator import GatewaySimulator
+from chatserver.app import create_app
+from chatserver.config import Settings
+from gateway_sim.simulator import GatewaySimulator
 from support import Api, LiveServer
 
 # Titles off in every test (and every server a test starts): the title call after a first reply
 # would take a reply a test queued for its next turn. tests/test_branches.py turns them on.
 os.environ["AUTO_TITLE"] = "false"
+
+# The `redis_server` fixture: a real redis-server of its own per test module.
+pytest_plugins = ["redis_support"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from config import Settings
-from server import create_app
+from chatserver.app import create_app
+from chatserver.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 

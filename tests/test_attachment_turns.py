@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from config import Settings
-from simulator import Script, steps
+from chatserver.config import Settings
+from gateway_sim.simulator import Script, steps
 from support import names, parse_sse
 from test_attachments import TOPICS, make_docx, make_pdf, upload
 

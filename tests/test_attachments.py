@@ -14,12 +14,17 @@ import pytest
 from fpdf import FPDF
 from pypdf import PdfReader, PdfWriter
 
-import attachments as att
-import extraction
-from attachments import (
-    Attachments, Limits, attachment_context, attachment_listing, read_attachment, search_attachments,
+from chatserver.attachments import extraction
+from chatserver.attachments import store as att
+from chatserver.attachments.store import (
+    Attachments,
+    Limits,
+    attachment_context,
+    attachment_listing,
+    read_attachment,
+    search_attachments,
 )
-from config import Settings
+from chatserver.config import Settings
 from support import serve
 
 CJK_FONT = Path("/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc")

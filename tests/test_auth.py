@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
 from typing import Annotated
 
 import httpx
@@ -23,12 +22,21 @@ from argon2 import PasswordHasher
 from fastapi import Depends
 from pydantic import ValidationError
 
-import auth
-from auth import (FAILURES_PER_ADDRESS, FAILURES_PER_USER, LOCAL_OWNER, NAME_CEILING, WINDOW_SECONDS, Accounts, User,
-                  UserFile, current_user)
-from config import ROOT, Settings
-from server import create_app
-from simulator import Script, steps
+from chatserver.accounts import auth
+from chatserver.accounts.auth import (
+    FAILURES_PER_ADDRESS,
+    FAILURES_PER_USER,
+    LOCAL_OWNER,
+    NAME_CEILING,
+    WINDOW_SECONDS,
+    Accounts,
+    User,
+    UserFile,
+    current_user,
+)
+from chatserver.app import create_app
+from chatserver.config import ROOT, Settings
+from gateway_sim.simulator import Script, steps
 
 # Cheap hashes keep the tests fast; the server's default is argon2-cffi's RFC 9106 profile.
 FAST = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
@@ -581,7 +589,7 @@ async def a_person_with_data(client, sim, password: str, word: str) -> dict:
     conv = (await client.post("/api/conversations", json={})).json()
     await client.patch(f"/api/conversations/{conv['id']}", json={"settings": {"web_search": False, "web_fetch": False}})
     sim.enqueue(Script(steps=[steps.Text(f"An answer about {word}.")]))
-    assert (await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": f"tell me of {word}"})).status_code == 200
+    assert (await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": f"tell me of {word}"})).status_code == 200  # noqa: E501
     uploaded = await client.post(f"/api/conversations/{conv['id']}/attachments",
                                  files={"file": ("notes.txt", f"{word} notes".encode(), "text/plain")})
     assert uploaded.status_code == 201, uploaded.text

@@ -11,10 +11,10 @@ import tracemalloc
 import httpx
 import pytest
 
-import context
-import exchange
+from chatserver.conversations import exchange
+from chatserver.turns import context
+from gateway_sim.simulator import DEFAULT_KEEP_REQUESTS, GatewaySimulator, Script, steps
 from support import LiveServer
-from simulator import DEFAULT_KEEP_REQUESTS, GatewaySimulator, Script, steps
 
 
 def chat(sim: GatewaySimulator, text: str) -> None:

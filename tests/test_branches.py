@@ -11,9 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from config import Settings
-from simulator import Script, Usage, errors, steps
-from storage import SCHEMA_VERSION, new_id, now_iso
+from chatserver.config import Settings
+from chatserver.store.files import SCHEMA_VERSION, new_id, now_iso
+from gateway_sim.simulator import Script, Usage, errors, steps
 from support import parse_sse, serve
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -489,7 +489,7 @@ async def test_a_version_3_file_loads_as_one_path(settings, tmp_path):
     cid = new_id()
     messages = [{"id": new_id(), "role": role, "content": f"{role} {i}", "created_at": now_iso()}
                 for i in range(3) for role in ("user", "assistant")]
-    old = {"schema_version": 3, "id": cid, "owner": "local", "title": "Old", "model": "openai/gpt-5-mini", "created_at": now_iso(),
+    old = {"schema_version": 3, "id": cid, "owner": "local", "title": "Old", "model": "openai/gpt-5-mini", "created_at": now_iso(),  # noqa: E501
            "updated_at": now_iso(), "settings": {}, "summary": "old summary", "last_prompt_tokens": 10,
            "totals": {"turns": 3}, "archive": messages[:2], "messages": messages[2:]}
     folder = settings.data_dir / "conversations"

@@ -16,10 +16,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-import context
-from config import Settings
-from storage import LOCAL_OWNER
-from simulator import Script, Usage, errors, steps
+from chatserver.config import Settings
+from chatserver.store.files import LOCAL_OWNER
+from chatserver.turns import context
+from gateway_sim.simulator import Script, Usage, errors, steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -624,8 +624,8 @@ def test_the_server_loads_the_tokenizer_at_start_up_not_in_the_first_turn(tmp_pa
     probe = textwrap.dedent("""
         import asyncio, sys
         import tiktoken.registry
-        from config import Settings
-        from server import create_app
+        from chatserver.config import Settings
+        from chatserver.app import create_app
 
         async def main():
             app = create_app(Settings(_env_file=None, gateway_base_url="http://127.0.0.1:9", data_dir=sys.argv[1]))
@@ -642,7 +642,7 @@ def test_the_server_loads_the_tokenizer_at_start_up_not_in_the_first_turn(tmp_pa
 
 def test_a_growing_reply_is_counted_piece_by_piece_to_its_whole_count():
     """Checkpoints tokenize only what was added; the pieces add up to the whole reply's count."""
-    from checkpoints import OutputCount
+    from chatserver.turns.checkpoints import OutputCount
 
     reply = " ".join(f"word{n % 97} and, then: more{n}." for n in range(1500))
     cached_before = dict(context._token_counts)

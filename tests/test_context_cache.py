@@ -8,11 +8,11 @@ import datetime as dt
 import httpx
 import pytest
 
-from upstream import chat
-import context
-from config import Settings
-from server import create_app
-from simulator import LOOKBACK_BLOCKS, Script, cache_account, steps
+from chatserver.app import create_app
+from chatserver.config import Settings
+from chatserver.turns import context
+from chatserver.upstream import chat
+from gateway_sim.simulator import LOOKBACK_BLOCKS, Script, cache_account, steps
 
 PERSONA = "You are a careful assistant. " + " ".join(f"Rule {i}: answer plainly and cite sources." for i in range(150))
 

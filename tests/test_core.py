@@ -10,10 +10,9 @@ import time
 import httpx
 import pytest
 
-import context
-
+from chatserver.turns import context
+from gateway_sim.simulator import Script, Usage, errors, steps
 from support import names, parse_sse
-from simulator import Script, Usage, errors, steps
 
 
 def chat_requests(sim):
@@ -370,8 +369,8 @@ async def test_healthz_names_the_configured_gateway(client):
 
 
 async def test_demo_gateway_answers_without_configuration(tmp_path):
-    from config import Settings
-    from server import create_app
+    from chatserver.app import create_app
+    from chatserver.config import Settings
 
     app = create_app(Settings(_env_file=None, data_dir=tmp_path / "demo"))
     async with app.router.lifespan_context(app):
@@ -489,7 +488,7 @@ async def test_a_new_conversation_starts_with_web_tools_off_so_hello_runs_no_sea
 
 def test_the_example_settings_file_loads_as_it_is():
     """A person copies .env.example to .env: every line in it must be a setting the server accepts."""
-    from config import ROOT, Settings
+    from chatserver.config import ROOT, Settings
 
     settings = Settings(_env_file=ROOT / ".env.example")
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from security import CONTENT_SECURITY_POLICY
+from chatserver.api.guard import CONTENT_SECURITY_POLICY
+from chatserver.api.site import STATIC
+from gateway_sim.simulator import Script, steps
 from support import parse_sse
-from routes.site import STATIC
-from simulator import Script, steps
 
 
 def directives(header: str) -> dict[str, list[str]]:

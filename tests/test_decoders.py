@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from events import ReasoningDelta, TextDelta, UsageReport
-from failures import UpstreamError
-from simulator import Script, steps
+from chatserver.turns.events import ReasoningDelta, TextDelta, UsageReport
+from chatserver.upstream.chat import ChatDecoder
+from chatserver.upstream.failures import UpstreamError
+from chatserver.upstream.messages import MessagesDecoder
+from chatserver.upstream.sse import SSEDecoder, SSERecord
+from gateway_sim.simulator import Script, steps
 from support import names
-from upstream.chat import ChatDecoder
-from upstream.messages import MessagesDecoder
-from upstream.sse import SSEDecoder, SSERecord
 
 
 def test_a_last_record_without_its_blank_line_is_dropped_at_end_of_stream():

@@ -10,9 +10,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-import exchange
-from exchange import Unreadable, current_path, parse_import, siblings
-from simulator import Script, Usage, steps
+from chatserver.conversations import exchange
+from chatserver.conversations.exchange import Unreadable, current_path, parse_import, siblings
+from gateway_sim.simulator import Script, Usage, steps
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -214,7 +214,7 @@ def test_progress_is_reported_per_conversation():
 
 @pytest.fixture
 def settings(tmp_path, sim):
-    from config import Settings
+    from chatserver.config import Settings
     return Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
                     upstream_timeout=5, keep_recent_messages=2)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from auth import UserFile
-from simulator import Script, steps
+from chatserver.accounts.auth import UserFile
+from gateway_sim.simulator import Script, steps
 from support import LiveServer
 from test_attachments import make_docx, upload
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
@@ -205,7 +205,7 @@ async def test_a_reader_is_killed_when_its_upload_is_abandoned(server):
 
 
 async def test_a_full_queue_is_429_and_frees_as_reads_end(tmp_path, sim):
-    from config import Settings
+    from chatserver.config import Settings
     from support import serve
 
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",

@@ -5,12 +5,21 @@ from __future__ import annotations
 import orjson
 import pytest
 
-import failures
-from failures import (
-    DEFAULT_RETRY_AFTER, MESSAGE_LIMIT, REDACTED, StreamRedactor, classify_http, classify_stream_error,
-    keep_secret, parse_duration, redact_json, redact_value, retry_after_seconds,
+from chatserver.upstream import failures
+from chatserver.upstream.failures import (
+    DEFAULT_RETRY_AFTER,
+    MESSAGE_LIMIT,
+    REDACTED,
+    StreamRedactor,
+    classify_http,
+    classify_stream_error,
+    keep_secret,
+    parse_duration,
+    redact_json,
+    redact_value,
+    retry_after_seconds,
 )
-from simulator import GatewaySimulator, Script, errors, steps
+from gateway_sim.simulator import GatewaySimulator, Script, errors, steps
 from support import names
 
 KEY = "sk-or-v1-0123456789abcdef0123456789abcdef"
@@ -262,7 +271,7 @@ def test_stream_redactor_releases_a_lookalike_prefix_once_it_diverges(secret):
 def test_stream_redactor_output_equals_redacting_the_whole_text_for_any_split(secret):
     import random
 
-    from failures import redact
+    from chatserver.upstream.failures import redact
 
     rng = random.Random(11)
     text = f"a{secret}b {secret[:9]} {secret}{secret} sk- end {secret[:-1]}"

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from config import Settings
-from gateway_probe import gateway_reachable
+from chatserver.config import Settings
+from chatserver.upstream.probe import gateway_reachable
 from support import ROOT, free_port, serve
 
 

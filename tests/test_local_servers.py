@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from config import Settings
-from simulator import GatewaySimulator, Script, errors, steps
+from chatserver.config import Settings
+from gateway_sim.simulator import GatewaySimulator, Script, errors, steps
 from support import names, parse_sse, serve
 
 

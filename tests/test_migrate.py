@@ -9,9 +9,9 @@ from pathlib import Path
 
 import redis as sync_redis
 
-from redis_store import RedisStore
-from redis_support import redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import SEAL_AFTER, FileStore
+from chatserver.store.files import SEAL_AFTER, FileStore
+from chatserver.store.redis import RedisStore
+from redis_support import unique_prefix
 from test_store_contract import append, conversation, message
 
 ROOT = Path(__file__).resolve().parent.parent

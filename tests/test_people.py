@@ -11,10 +11,9 @@ import re
 
 import pytest
 
-from auth import UserFile
-from config import Settings
-from redis_support import redis_server  # noqa: F401  (the fixture)
-from simulator import Script, Usage, steps
+from chatserver.accounts.auth import UserFile
+from chatserver.config import Settings
+from gateway_sim.simulator import Script, Usage, steps
 from support import names, parse_sse
 from test_auth import A_PASSWORD, B_PASSWORD, FAST, Server, log_in
 

@@ -14,9 +14,8 @@ import time
 import httpx
 import pytest
 
-from auth import UserFile
-from redis_support import redis_server  # noqa: F401  (the fixture)
-from simulator import Script, steps
+from chatserver.accounts.auth import UserFile
+from gateway_sim.simulator import Script, steps
 from support import LiveServer
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
 

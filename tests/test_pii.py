@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pii import mask
+from chatserver.conversations.pii import mask
 
 SHOULD_MASK = [
     # phones, Korean forms
@@ -148,7 +148,7 @@ def test_only_the_masked_span_changes_the_rest_stays_as_written():
 def test_a_long_text_is_masked_quickly():
     import time
 
-    import pii
+    from chatserver.conversations import pii
 
     pii.prepare()  # the server builds its table at start
     text = ("가나다라\u00a0" * 20_000 + "０１０－１２３４－５６７８ ") * 10  # a million characters, 200,000 changed

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-import tools
-from presets import Presets
+from chatserver.conversations.presets import Presets
+from chatserver.tools import registry as tools
 
 
 async def test_builtins_list_their_whitelists_and_default_allows_the_unconfigured_local_tools(client):

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from config import Settings
-from simulator import Script, steps
+from chatserver.config import Settings
+from gateway_sim.simulator import Script, steps
 from support import names, parse_sse, serve
 
 

@@ -14,13 +14,13 @@ import httpx
 import orjson
 import pytest
 
-from config import Settings
-from simulator import Script, steps
-from redis_store import RedisStore
-from redis_support import redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import FileStore, checkpoints_beside, new_id, now_iso
+from chatserver.config import Settings
+from chatserver.store.files import FileStore, checkpoints_beside, new_id, now_iso
+from chatserver.store.redis import RedisStore
+from chatserver.turns.pipeline import Turns
+from gateway_sim.simulator import Script, steps
+from redis_support import unique_prefix
 from support import LiveServer, hang_up_after_first_delta, serve
-from turns import Turns
 
 PIECES = [f"piece{i} " for i in range(40)]
 WHOLE = "".join(PIECES)

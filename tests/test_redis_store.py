@@ -10,9 +10,9 @@ import time
 import pytest
 import redis as sync_redis
 
-from redis_store import RECHECK, RedisStore, StoreUnavailable
-from redis_support import RedisServer, redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import LockLost, NotFound, TurnBusy, new_id
+from chatserver.store.files import LockLost, NotFound, TurnBusy, new_id
+from chatserver.store.redis import RECHECK, RedisStore, StoreUnavailable
+from redis_support import RedisServer, unique_prefix
 from test_store_contract import append, conversation, message
 
 
@@ -339,7 +339,7 @@ def raw_url(url: str) -> sync_redis.Redis:
 
 
 async def test_the_cache_is_bounded_and_reads_stay_right(redis_server, monkeypatch):
-    monkeypatch.setattr("redis_store.CACHED_CONVERSATIONS", 2)
+    monkeypatch.setattr("chatserver.store.redis.CACHED_CONVERSATIONS", 2)
     store = RedisStore(redis_server.url, prefix=unique_prefix())
     mine = store.for_owner("alice")
     convs = [await mine.create(conversation(title=f"c{i}")) for i in range(4)]

@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import serve, LiveServer, free_port, names, parse_sse
-from config import Settings
-from simulator import Script, errors, steps
-from storage import new_id
+from chatserver.config import Settings
+from chatserver.store.files import new_id
+from gateway_sim.simulator import Script, errors, steps
+from support import LiveServer, free_port, names, parse_sse, serve
 
 
 async def new_conversation(client: httpx.AsyncClient, *, tools: bool = False) -> str:

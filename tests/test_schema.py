@@ -15,11 +15,11 @@ import zlib
 import pytest
 import schemathesis
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import response_schema_conformance
 from schemathesis.python import asgi
+from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from config import Settings
-from server import create_app
+from chatserver.app import create_app
+from chatserver.config import Settings
 
 BASE_URL = "http://127.0.0.1"
 

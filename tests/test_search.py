@@ -8,12 +8,12 @@ import json
 import httpx
 import pytest
 
-from config import Settings
-import search_index
-from search_index import SearchIndex
-from server import create_app
-from simulator import Script, Usage, steps
-from storage import SEAL_AFTER, new_id, now_iso
+from chatserver.app import create_app
+from chatserver.config import Settings
+from chatserver.search import index as search_index
+from chatserver.search.index import SearchIndex
+from chatserver.store.files import SEAL_AFTER, new_id, now_iso
+from gateway_sim.simulator import Script, Usage, steps
 
 
 @pytest.fixture

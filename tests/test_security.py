@@ -7,8 +7,8 @@ checks one protection and fails without it.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -19,9 +19,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from chatserver.config import Settings
+from gateway_sim.simulator import Script, errors, steps
 from support import LiveServer, free_port, names, parse_sse, serve
-from config import Settings
-from simulator import Script, errors, steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -560,9 +560,9 @@ def rotating(i: int) -> dict[str, str]:
 
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_a_rotating_x_forwarded_for_neither_escapes_the_login_throttle_nor_reaches_the_log(tmp_path, sim, launch):
-    from auth import FAILURES_PER_USER, UserFile
-
     from argon2 import PasswordHasher
+
+    from chatserver.accounts.auth import FAILURES_PER_USER, UserFile
 
     UserFile(tmp_path / "data").add("alice", PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1).hash(
         "alice's long secret"), admin=True, now=0)
@@ -581,7 +581,7 @@ def test_a_rotating_x_forwarded_for_neither_escapes_the_login_throttle_nor_reach
 
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_a_rotating_x_forwarded_for_does_not_escape_the_access_token_throttle(tmp_path, sim, launch):
-    from auth import FAILURES_PER_ADDRESS
+    from chatserver.accounts.auth import FAILURES_PER_ADDRESS
 
     server = LiveServer(tmp_path / "data", {"GATEWAY_BASE_URL": sim.base_url, "ACCESS_TOKEN": "tok-" + "x1y2z3" * 5,
                                             "TRUSTED_PROXIES": PROXY}, launch=launch)

@@ -12,8 +12,8 @@ import time
 
 import httpx
 
-import serving
-from simulator import Script, steps
+from chatserver import serving
+from gateway_sim.simulator import Script, steps
 from support import ROOT, LiveServer
 
 # `make run` is `python server.py`, i.e. server.main(); the port comes from PORT like any setting.

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from auth import UserFile
-from redis_support import RedisServer, redis_server  # noqa: F401  (the fixture)
-from simulator import Script, steps
+from chatserver.accounts.auth import UserFile
+from gateway_sim.simulator import Script, steps
+from redis_support import RedisServer
 from support import LiveServer, hang_up_after_first_delta, parse_sse
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
 from test_reattach import WHOLE, Reader, assert_running, has_delta, slow_reply, start_conversation, text_of

@@ -14,9 +14,24 @@ from pathlib import Path
 import httpx
 import pytest
 
-from simulator import (
-    CacheAccount, Cite, Close, Fetch, GatewaySimulator, Raw, Reasoning, Script, Search, Sleep, StreamError,
-    Text, ToolCall, Usage, cache_account, errors, steps,
+from gateway_sim.simulator import (
+    CacheAccount,
+    Cite,
+    Close,
+    Fetch,
+    GatewaySimulator,
+    Raw,
+    Reasoning,
+    Script,
+    Search,
+    Sleep,
+    StreamError,
+    Text,
+    ToolCall,
+    Usage,
+    cache_account,
+    errors,
+    steps,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -606,7 +621,7 @@ def test_standalone_entry_point_serves_and_reports_stats():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "simulator", "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "gateway_sim", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 15

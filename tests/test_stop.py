@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from simulator import Script, steps
+from gateway_sim.simulator import Script, steps
 from support import hang_up_after_first_delta
 
 

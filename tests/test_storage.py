@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-import storage
-from storage import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, checkpoints_beside, new_id, valid_id
+from chatserver.store import files as storage
+from chatserver.store.files import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, checkpoints_beside, new_id, valid_id
 
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = textwrap.dedent("""
     import asyncio, itertools, os, sys
     sys.path.insert(0, sys.argv[2])
-    import storage
-    from storage import FileStore
+    from chatserver.store import files as storage
+    from chatserver.store.files import FileStore
 
     async def main():
         store = FileStore(sys.argv[1]).for_owner("local")
@@ -354,7 +354,7 @@ async def test_folding_sealed_messages_into_the_archive_reads_back_whole(long_co
 
 async def test_conversations_untouched_for_the_ttl_are_deleted_by_the_running_server(tmp_path, sim):
     """CONVERSATION_TTL_DAYS: the server deletes what nobody touched that long, at start and then hourly."""
-    from config import Settings
+    from chatserver.config import Settings
     from support import serve
 
     files = FileStore(tmp_path / "data")

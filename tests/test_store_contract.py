@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from redis_store import RedisStore
-from redis_support import redis_server, unique_prefix  # noqa: F401  (a fixture)
-from storage import SCHEMA_VERSION, FileStore, LockLost, NotFound, TurnBusy, new_id, now_iso
+from chatserver.store.files import SCHEMA_VERSION, FileStore, LockLost, NotFound, TurnBusy, new_id, now_iso
+from chatserver.store.redis import RedisStore
+from redis_support import unique_prefix
 
 
 @pytest.fixture(params=["files", "redis"])

@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-import tools
-from config import Settings
+from chatserver.config import Settings
+from chatserver.tools import registry as tools
+from gateway_sim.simulator import Script, Usage, steps
 from pageserver import PageServer
-from simulator import Script, Usage, steps
 from support import names, parse_sse
 
 PAGE = (b"<!doctype html><html><head><title>Tea notes</title></head><body><article><h1>Tea notes</h1>"
@@ -308,13 +308,13 @@ def test_stop_during_a_tool_call_cancels_it_and_keeps_the_reply(tmp_path, sim):
 
 
 def test_the_chat_decoder_gathers_calls_by_index_and_tells_whole_calls_apart():
-    from upstream.chat import ChatDecoder
-    from upstream.sse import SSERecord
+    from chatserver.upstream.chat import ChatDecoder
+    from chatserver.upstream.sse import SSERecord
 
     def feed(decoder, *chunks, finish="tool_calls"):
         for delta in chunks:
-            decoder.feed(SSERecord(event="message", data=json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})))
-        decoder.feed(SSERecord(event="message", data=json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})))
+            decoder.feed(SSERecord(event="message", data=json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})))  # noqa: E501
+        decoder.feed(SSERecord(event="message", data=json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})))  # noqa: E501
         return decoder.end()
 
     def piece(index, arguments, **first):

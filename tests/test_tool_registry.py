@@ -12,10 +12,10 @@ from typing import Annotated
 import pytest
 from pydantic import Field
 
-import tools
-from config import Settings
+from chatserver.config import Settings
+from chatserver.tools import registry as tools
+from chatserver.tools.registry import Call, Registry, ToolContext, ToolError, ToolOutput, registry, select_tools, tool_context
 from pageserver import PageServer, hanging
-from tools import Call, Registry, ToolContext, ToolError, ToolOutput, registry, select_tools, tool_context
 
 
 def make_settings(tmp_path, **overrides) -> Settings:

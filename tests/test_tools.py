@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from config import Settings
-from support import hang_up_after_first_delta, Api, names
-from server import create_app
-from simulator import Script, Usage, errors, steps
+from chatserver.app import create_app
+from chatserver.config import Settings
+from gateway_sim.simulator import Script, Usage, errors, steps
+from support import Api, hang_up_after_first_delta, names
 
 BUDGET_SENTENCE = "You can use web search up to 3 times and web fetch up to 2 times in this turn."
 RESULTS = [{"url": "https://kma.go.kr/weather", "title": "KMA forecast", "page_age": "April 30, 2025"},

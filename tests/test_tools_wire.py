@@ -10,14 +10,21 @@ import anyio
 import httpx
 import pytest
 
-import context
-from config import Settings
-from events import (
-    CitationFound, FetchDone, Finished, ReasoningDelta, SearchResults, SearchStarted, TextDelta, UsageReport,
+from chatserver.config import Settings
+from chatserver.turns import context
+from chatserver.turns.events import (
+    CitationFound,
+    FetchDone,
+    Finished,
+    ReasoningDelta,
+    SearchResults,
+    SearchStarted,
+    TextDelta,
+    UsageReport,
 )
-from failures import UpstreamError
-from upstream import messages as tools
-from upstream.client import Gateway as GatewayClient
+from chatserver.upstream import messages as tools
+from chatserver.upstream.client import Gateway as GatewayClient
+from chatserver.upstream.failures import UpstreamError
 
 BASE_URL = "http://gateway.test"
 SEARCH_TOOLS = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]

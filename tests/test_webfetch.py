@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import trustme
 
-import webfetch
+from chatserver.tools import webfetch
+from chatserver.tools.webfetch import FetchError, Refused
 from pageserver import PageServer, endless
-from webfetch import FetchError, Refused
 
 ARTICLE = (b"<!doctype html><html><head><title>Seoul weather notes</title></head><body>"
            b"<nav>Home | About | Login</nav><article><h1>Seoul weather notes</h1>"
@@ -231,10 +231,10 @@ def status_kb() -> dict[str, int]:
 
 
 async def test_a_fetched_pdf_bomb_is_a_tool_error_and_the_server_stays_small(server, tmp_path):
-    from config import Settings
-    from extraction import Extractor
+    from chatserver.attachments.extraction import Extractor
+    from chatserver.config import Settings
+    from chatserver.tools.registry import ToolContext, registry, tool_context
     from test_extraction import pdf_bomb
-    from tools import ToolContext, registry, tool_context
 
     server.routes["/bomb.pdf"] = (200, {"Content-Type": "application/pdf"}, pdf_bomb(with_font=True))
     server.routes["/paper.pdf"] = (200, {"Content-Type": "application/pdf"}, minimal_pdf("Quarterly rainfall report"))

@@ -12,8 +12,8 @@ import os
 import pytest
 from playwright.sync_api import Browser, sync_playwright
 
+from gateway_sim.simulator import GatewaySimulator
 from pagekit import Server, eventually, new_conversation, open_page
-from simulator import GatewaySimulator
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -6,9 +6,9 @@ import pytest
 from argon2 import PasswordHasher
 from playwright.sync_api import expect
 
-from auth import UserFile
+from chatserver.accounts.auth import UserFile
+from gateway_sim.simulator import Script, steps
 from pagekit import Server, assistant_messages, exchange
-from simulator import Script, steps
 
 # Cheap to make; the server verifies with the parameters the hash carries, then upgrades it.
 FAST = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)

@@ -8,8 +8,8 @@ import json
 from fpdf import FPDF
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import assistant_messages, conversation_id, send
-from simulator import Script, steps
 from test_everyday import drop_file
 
 

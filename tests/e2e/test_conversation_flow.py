@@ -8,11 +8,18 @@ import re
 import pytest
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, errors, steps
 from pagekit import (
-    assistant_messages, conversation_id, eventually, exchange, new_conversation, open_page, screenshot, send,
+    assistant_messages,
+    conversation_id,
+    eventually,
+    exchange,
+    new_conversation,
+    open_page,
+    screenshot,
+    send,
     user_messages,
 )
-from simulator import Script, errors, steps
 
 
 def conversation_ids(server) -> list[str]:
@@ -299,7 +306,7 @@ def test_the_page_runs_under_a_strict_content_security_policy(browser, server, s
     try:
         page.goto(server.base_url)
         expect(page.locator("body")).to_have_attribute("data-ready", "true")
-        sim.enqueue(Script([steps.Text("Under **policy**: `code` and a [link](https://example.com).\n\n| a | b |\n|---|--:|\n| 1 | 2 |")]))
+        sim.enqueue(Script([steps.Text("Under **policy**: `code` and a [link](https://example.com).\n\n| a | b |\n|---|--:|\n| 1 | 2 |")]))  # noqa: E501
         new_conversation(page)
         send(page, "Hello")
         expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")

@@ -11,10 +11,17 @@ from pathlib import Path
 from fpdf import FPDF
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, errors, steps
 from pagekit import (
-    assistant_messages, conversation_id, eventually, exchange, new_conversation, screenshot, send, user_messages,
+    assistant_messages,
+    conversation_id,
+    eventually,
+    exchange,
+    new_conversation,
+    screenshot,
+    send,
+    user_messages,
 )
-from simulator import Script, errors, steps
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

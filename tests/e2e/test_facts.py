@@ -6,8 +6,8 @@ import json
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import conversation_id, eventually, exchange
-from simulator import Script, steps
 
 
 def test_the_person_edits_and_drops_the_facts_a_compression_saved(page, server, sim):

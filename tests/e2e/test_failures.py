@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, errors, steps
 from pagekit import assistant_messages, conversation_id, screenshot, send, user_messages
-from simulator import Script, errors, steps
 
 MESSAGE = "My carefully written question"
 SUCCESS = Script([steps.Text("Here is the answer after all.")])

@@ -8,8 +8,8 @@ import threading
 import httpx
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import assistant_messages, conversation_id, exchange, new_conversation, open_page
-from simulator import Script, steps
 
 QUIET_WINDOW_MS = 10_000
 

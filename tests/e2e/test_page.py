@@ -7,11 +7,18 @@ import time
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import (
-    assistant_messages, conversation_id, eventually, exchange, new_conversation, open_page, screenshot, send,
+    assistant_messages,
+    conversation_id,
+    eventually,
+    exchange,
+    new_conversation,
+    open_page,
+    screenshot,
+    send,
     user_messages,
 )
-from simulator import Script, steps
 
 
 def last_user_content(request) -> str:

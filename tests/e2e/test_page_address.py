@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import conversation_id, exchange, new_conversation, user_messages
-from simulator import Script, steps
 
 
 def user_texts(server, conv_id: str) -> list[str]:

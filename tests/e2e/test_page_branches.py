@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, errors, steps
 from pagekit import assistant_messages, conversation_id, exchange, screenshot, user_messages
-from simulator import Script, errors, steps
 
 
 def user_texts(request) -> list[str]:

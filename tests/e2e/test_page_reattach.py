@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import assistant_messages, conversation_id, new_conversation, open_page, screenshot, send
-from simulator import Script, steps
 
 PIECES = [f"Part {n} of the long answer. " for n in range(1, 8)]
 

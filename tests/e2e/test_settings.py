@@ -6,8 +6,8 @@ import re
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, Usage, steps
 from pagekit import assistant_messages, conversation_id, exchange, screenshot, send
-from simulator import Script, Usage, steps
 
 
 def open_settings(page):
@@ -194,7 +194,7 @@ def test_usage_header_stats_line_and_context_bar_show_the_servers_numbers(page, 
     assert (totals["cost"], totals["cost_unreported"], totals["turns"]) == (0.0042, 1, 2)
     header = page.get_by_test_id("usage-header")
     expect(header.locator("span")).to_have_text(
-        ["4,500 in", "400 out", "78% cached", "0 searches", "0 fetches", "cost unknown for 1 of 2 replies; $0.0042 for the rest", "2 turns"])
+        ["4,500 in", "400 out", "78% cached", "0 searches", "0 fetches", "cost unknown for 1 of 2 replies; $0.0042 for the rest", "2 turns"])  # noqa: E501
 
     stats = assistant_messages(page).locator(".stats")
     expect(stats.first).to_contain_text("2,000 in · 300 out · 75% cached · $0.0042")

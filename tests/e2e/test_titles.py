@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, Usage, steps
 from pagekit import Server, assistant_messages, conversation_id, eventually, exchange
-from simulator import Script, Usage, steps
 
 
 @pytest.fixture(scope="module")

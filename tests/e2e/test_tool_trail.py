@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import assistant_messages, conversation_id, send
-from simulator import Script, steps
 
 
 def test_tool_calls_show_live_and_after_reload_with_file_page_chips(page, server, sim):

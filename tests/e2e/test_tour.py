@@ -8,8 +8,8 @@ import re
 
 from playwright.sync_api import expect
 
+from gateway_sim.simulator import Script, steps
 from pagekit import ROOT, assistant_messages, open_page, screenshot, send
-from simulator import Script, steps
 
 DOCS = "https://docs.python.org/3/library/asyncio-task.html"
 PEP = "https://peps.python.org/pep-0654/"

@@ -4,7 +4,7 @@
 
 import { tags } from "./dom.mjs";
 
-const { renderMarkdown, work } = await import("../../../static/markdown.js");
+const { renderMarkdown, work } = await import("../../../chatserver/static/markdown.js");
 
 const N = 200_000;
 const cases = {

@@ -1,0 +1,1 @@
+"""Who is asking: accounts, password and header login, sessions, throttles, and the `user` command."""

@@ -1,0 +1,149 @@
+"""`python server.py user add NAME [--admin] | passwd NAME | remove NAME [--yes] | list`: accounts for AUTH=password.
+
+Edits DATA_DIR/users.json (under the same lock a running server uses, which picks changes up
+without a restart). Passwords are asked twice on a terminal, or read as one line from stdin when
+it is not one (scripts, tests). `remove` removes the person's data too (conversations with their
+files, library, memory, presets, search rows), after a yes on a terminal or with `--yes`.
+Knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from argon2 import PasswordHasher
+from pydantic import ValidationError
+
+from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS, BadAccount, UserFile, remove_sessions_of
+from chatserver.api.exchange import INDEX_FILE, SYNCED_INDEX_FILE
+from chatserver.attachments.store import Attachments, conversation_scope, library_scope
+from chatserver.config import Settings, get_settings
+from chatserver.conversations.presets import Presets
+from chatserver.search.index import SearchIndex
+from chatserver.store.files import FileStore, StoreUnavailable
+
+
+def main(argv: list[str]) -> int:
+    """Run one user command; 0 on success, 1 when it could not be done, 2 on a usage or settings error."""
+    parser = argparse.ArgumentParser(prog="server.py user", description="Manage the accounts of AUTH=password.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add = commands.add_parser("add", help="add a user (asks for the password)")
+    add.add_argument("name")
+    add.add_argument("--admin", action="store_true", help="may change the model lineup")
+    commands.add_parser("passwd", help="set a new password (ends the user's sessions)").add_argument("name")
+    remove = commands.add_parser("remove", help="remove a user and all their data, and end their sessions")
+    remove.add_argument("name")
+    remove.add_argument("--yes", action="store_true", help="do not ask: remove their data too")
+    commands.add_parser("list", help="list the users")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) and 2
+    try:
+        settings = get_settings()
+    except ValidationError as exc:
+        print("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()), file=sys.stderr)
+        return 2
+    users = UserFile(settings.data_dir)
+    try:
+        if args.command == "add":
+            record = users.add(args.name, PasswordHasher().hash(_ask_password()), args.admin, time.time())
+            print(f"added {record['name']}{' (admin)' if record['admin'] else ''}")
+        elif args.command == "passwd":
+            if users.find(args.name) is None:
+                raise BadAccount(f"there is no user named {args.name!r}")
+            users.set_password(args.name, PasswordHasher().hash(_ask_password()))
+            remove_sessions_of(settings.data_dir, args.name)
+            print(f"changed the password of {args.name}; their sessions have ended")
+        elif args.command == "remove":
+            record = users.find(args.name)
+            if record is None:
+                raise BadAccount(f"there is no user named {args.name!r}")
+            what = f"{record['name']} and all their data (conversations with their files, library, memory, presets)"
+            if not args.yes and not _confirmed(f"Remove {what}? This cannot be undone. [y/N] "):
+                raise BadAccount(f"nothing removed; to remove {what}, answer y on a terminal or add --yes")
+            # The account goes first, so nobody can add to the data while it is being removed.
+            users.remove(record["name"])
+            remove_sessions_of(settings.data_dir, record["name"])
+            try:
+                count = asyncio.run(remove_data(settings, record["owner"]))
+            except StoreUnavailable as exc:
+                print(f"error: removed the account {record['name']}, but not their data (owner "
+                      f"{record['owner']}): the store is unreachable ({exc})", file=sys.stderr)
+                return 1
+            print(f"removed {record['name']} and their data: {count} conversations, their files, library, "
+                  "memory and presets")
+        else:
+            for record in users.load()["users"]:
+                flags = " admin" if record.get("admin") else ""
+                print(f"{record['name']}{flags}  created {record['created_at']}")
+    except BadAccount as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _confirmed(question: str) -> bool:
+    """A yes typed on a terminal; never from a script's stdin (it says --yes)."""
+    if not sys.stdin.isatty():
+        return False
+    return input(question).strip().lower() in ("y", "yes")
+
+
+async def remove_data(settings: Settings, owner: str) -> int:
+    """Delete everything `owner` has in the store and under DATA_DIR; the number of conversations."""
+    from chatserver.app import make_store
+
+    store = make_store(settings)
+    attachments = Attachments(settings.data_dir / "attachments")
+    try:
+        mine = store.for_owner(owner)
+        conv_ids = [c["id"] for c in await mine.list()]
+        for conv_id in conv_ids:
+            await mine.delete(conv_id)
+            await attachments.delete_scope(conversation_scope(conv_id))
+        await attachments.delete_scope(library_scope(owner))
+        if isinstance(store, FileStore):
+            store.memory_path(owner).unlink(missing_ok=True)
+        else:
+            await mine.write_memory("")
+        Presets(settings.data_dir, (), owner=owner).path.unlink(missing_ok=True)
+        for name in (INDEX_FILE, SYNCED_INDEX_FILE):
+            await _forget_in_index(settings.data_dir / name, owner, conv_ids)
+    finally:
+        attachments.close()
+        if not isinstance(store, FileStore):
+            await store.close()
+    if owner != LOCAL_OWNER:  # an account's own folder (the local person's files are the ones above)
+        shutil.rmtree(Path(settings.data_dir) / "users" / owner, ignore_errors=True)
+    return len(conv_ids)
+
+
+async def _forget_in_index(path: Path, owner: str, conv_ids: list[str]) -> None:
+    """Drop the conversations' rows from a search index file, if there is one."""
+    if not path.exists():
+        return
+    index = SearchIndex(path)
+    try:
+        for conv_id in conv_ids:
+            await index.remove_conversation(owner, conv_id)
+    finally:
+        await index.close()
+
+
+def _ask_password() -> str:
+    if sys.stdin.isatty():
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Repeat it: ") != password:
+            raise BadAccount("the two passwords differ")
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if len(password) < MIN_PASSWORD_CHARS:
+        raise BadAccount(f"a password needs at least {MIN_PASSWORD_CHARS} characters")
+    return password

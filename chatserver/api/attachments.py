@@ -1,0 +1,300 @@
+"""Routes for attachments: upload, list, download and delete, per conversation and in the library.
+
+Uploads are multipart (field `file`), streamed through python-multipart's parser into a temporary
+file with MAX_ATTACHMENT_BYTES enforced while the bytes arrive, so a file is never held whole in
+memory and an oversized one is refused as soon as it passes the limit. Downloads are always
+`attachment` with `nosniff`: an uploaded page must never render on this origin.
+
+Every route passes the one owner check (`deps.OwnerStoreDep`): a conversation's files are
+reached only through a conversation its owner can see, and the library is the owner's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import FileResponse, Response
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from chatserver.api.deps import OwnerDep, OwnerStoreDep
+from chatserver.api.quota import check_files
+from chatserver.attachments.store import (
+    AttachmentError,
+    Attachments,
+    Scope,
+    TooLarge,
+    content_disposition,
+    conversation_scope,
+    library_scope,
+    public,
+)
+from chatserver.store.files import NotFound, OwnerStore
+
+router = APIRouter(tags=["attachments"])
+
+# Room for the multipart framing and a part's headers on top of the file itself.
+FRAMING_BYTES = 64 * 1024
+
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["file"],
+            "properties": {"file": {"type": "string", "format": "binary"}},
+        }}},
+    },
+}
+ERRORS = {
+    404: {"description": "no such conversation or attachment"},
+    413: {"description": "over MAX_ATTACHMENT_BYTES, or past the person's QUOTA_FILE_BYTES"},
+    415: {"description": "not a PDF, DOCX or text file"},
+    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read; or not a multipart body"},
+    429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
+}
+
+
+async def get_attachments(request: Request) -> Attachments:
+    return request.app.state.chat.attachments
+
+
+async def conversation_exists(conv_id: str, store: OwnerStoreDep) -> str:
+    """The conversation id when this owner has it; the store's NotFound (404) otherwise."""
+    await store.get(conv_id)
+    return conv_id
+
+
+AttachmentsDep = Annotated[Attachments, Depends(get_attachments)]
+ConversationDep = Annotated[str, Depends(conversation_exists)]
+
+
+def _fail(exc: AttachmentError) -> HTTPException:
+    return HTTPException(exc.status, str(exc))
+
+
+class _Upload:
+    """python-multipart callbacks writing the first `file` part to a temporary file, under a limit."""
+
+    def __init__(self, attachments: Attachments) -> None:
+        self.attachments = attachments
+        self.limit = attachments.limits.max_bytes
+        self.fd: int | None = None
+        self.path = None
+        self.name: str | None = None
+        self.size = 0
+        self.done = False  # the file part ended; later parts are ignored
+        self._field, self._value, self._headers = b"", b"", {}
+        self._writing = False
+
+    def callbacks(self) -> dict:
+        return {
+            "on_part_begin": self._part_begin, "on_header_field": self._header_field,
+            "on_header_value": self._header_value, "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished, "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._headers, self._writing = {}, False
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        self._headers[self._field.lower()] = self._value
+        self._field, self._value = b"", b""
+
+    def _headers_finished(self) -> None:
+        disposition, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+        filename = options.get(b"filename")
+        if self.done or disposition != b"form-data" or options.get(b"name") != b"file" or not filename:
+            return
+        self.name = filename.decode("utf-8", "replace")
+        self.fd, self.path = self.attachments.incoming_file()
+        self._writing = True
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if not self._writing:
+            return
+        self.size += end - start
+        if self.size > self.limit:
+            raise TooLarge(f"the file is over {self.limit} bytes")
+        view = memoryview(data)[start:end]
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def _part_end(self) -> None:
+        if self._writing:
+            self._writing, self.done = False, True
+            os.close(self.fd)
+            self.fd = None
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+async def receive_upload(request: Request, attachments: Attachments) -> _Upload:
+    """The request's `file` part, streamed to a temporary file; HTTPException on any problem."""
+    kind, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary")
+    if kind != b"multipart/form-data" or not boundary:
+        raise HTTPException(422, "send the file as multipart/form-data in a field named `file`")
+    limit = attachments.limits.max_bytes + FRAMING_BYTES
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _fail(TooLarge(f"the file is over {attachments.limits.max_bytes} bytes"))
+    upload = _Upload(attachments)
+    parser = MultipartParser(boundary, upload.callbacks())
+    received = 0
+    try:
+        try:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:
+                    raise TooLarge(f"the file is over {attachments.limits.max_bytes} bytes")
+                parser.write(chunk)
+            parser.finalize()
+        except AttachmentError as exc:
+            raise _fail(exc) from None
+        except MultipartParseError as exc:
+            raise HTTPException(422, f"malformed multipart body: {exc}") from None
+        if not upload.done:
+            raise HTTPException(422, "no file in the multipart field `file` (or the body ended early)")
+    except BaseException:
+        upload.discard()  # a client gone mid-upload included
+        raise
+    return upload
+
+
+async def _upload(request: Request, attachments: Attachments, scope: Scope, store: OwnerStore) -> dict:
+    upload = await receive_upload(request, attachments)
+
+    async def fits(size: int) -> None:
+        await check_files(attachments, store, size)
+
+    try:
+        return await _unless_abandoned(request, attachments.ingest(scope, upload.name or "", upload.path,
+                                                                   store.owner, fits))
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    finally:
+        upload.discard()
+
+
+async def _unless_abandoned(request: Request, reading: Awaitable[dict]) -> dict:
+    """`reading`, cancelled when the client hangs up first: an abandoned upload frees its reader now."""
+    work = asyncio.ensure_future(reading)
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.create_task(hung_up())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise HTTPException(422, "the upload was abandoned before its file was read")
+    return work.result()
+
+
+def _download(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:
+    try:
+        meta, path = attachments.original(scope, attachment_id)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    return FileResponse(path, media_type=meta["media_type"], headers={
+        "Content-Disposition": content_disposition(meta["name"]),
+        "X-Content-Type-Options": "nosniff",
+        # Should a browser still render it, it runs nothing and reaches nothing.
+        "Content-Security-Policy": "default-src 'none'; sandbox",
+        "Cache-Control": "private, no-store",
+    })
+
+
+async def _delete(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:
+    try:
+        await attachments.delete(scope, attachment_id)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    return Response(status_code=204)
+
+
+def _conversation(conv_id: str) -> Scope:
+    try:
+        return conversation_scope(conv_id)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+
+
+@router.post("/api/conversations/{conv_id}/attachments", status_code=201, openapi_extra=UPLOAD_BODY,
+             responses=ERRORS)
+async def upload_to_conversation(conv_id: ConversationDep, request: Request, attachments: AttachmentsDep,
+                                 store: OwnerStoreDep) -> dict:
+    """Attach a file (multipart field `file`): 201 with the Attachment."""
+    scope = _conversation(conv_id)
+    stored = await _upload(request, attachments, scope, store)
+    try:
+        await store.get(conv_id)
+    except NotFound:
+        await attachments.delete_scope(scope)  # the conversation was deleted during the upload
+        raise
+    return stored
+
+
+@router.get("/api/conversations/{conv_id}/attachments")
+async def list_conversation_attachments(conv_id: ConversationDep, attachments: AttachmentsDep) -> list[dict]:
+    return [public(m) for m in attachments.list(_conversation(conv_id))]
+
+
+@router.get("/api/conversations/{conv_id}/attachments/{attachment_id}", responses=ERRORS,
+            response_class=FileResponse)
+async def download_conversation_attachment(conv_id: ConversationDep, attachment_id: str,
+                                           attachments: AttachmentsDep) -> Response:
+    """The original bytes, as a download."""
+    return _download(attachments, _conversation(conv_id), attachment_id)
+
+
+@router.delete("/api/conversations/{conv_id}/attachments/{attachment_id}", status_code=204, responses=ERRORS)
+async def delete_conversation_attachment(conv_id: ConversationDep, attachment_id: str,
+                                         attachments: AttachmentsDep) -> Response:
+    return await _delete(attachments, _conversation(conv_id), attachment_id)
+
+
+@router.post("/api/library", status_code=201, openapi_extra=UPLOAD_BODY, responses=ERRORS)
+async def upload_to_library(request: Request, attachments: AttachmentsDep, store: OwnerStoreDep) -> dict:
+    """Add a file to the person's library (multipart field `file`): 201 with the Attachment."""
+    return await _upload(request, attachments, library_scope(store.owner), store)
+
+
+@router.get("/api/library")
+async def list_library(attachments: AttachmentsDep, owner: OwnerDep) -> list[dict]:
+    return [public(m) for m in attachments.list(library_scope(owner))]
+
+
+@router.get("/api/library/{attachment_id}", responses=ERRORS, response_class=FileResponse)
+async def download_library_attachment(attachment_id: str, attachments: AttachmentsDep,
+                                      owner: OwnerDep) -> Response:
+    """The original bytes, as a download."""
+    return _download(attachments, library_scope(owner), attachment_id)
+
+
+@router.delete("/api/library/{attachment_id}", status_code=204, responses=ERRORS)
+async def delete_library_attachment(attachment_id: str, attachments: AttachmentsDep,
+                                    owner: OwnerDep) -> Response:
+    return await _delete(attachments, library_scope(owner), attachment_id)

@@ -1,0 +1,207 @@
+"""Routes for search, export and import: `GET /api/search`, `GET /api/conversations/{id}/export`,
+`POST /api/import`.
+
+With the file store, the search index is opened at start-up (`open_index`) and brought in line
+with the store in the background, so a server that ran without it, or crashed before its last
+index write, still finds everything; from then on `IndexFollower` keeps it in step with every
+change the store makes. Redis tells a process nothing of the changes other processes make, so
+there each search first brings the person's part of the index in line (`SyncedSearch`).
+Conversations are read and made through the owner-scoped store, like every other route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated, Literal
+
+import anyio
+from fastapi import APIRouter, Depends, Query, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
+
+from chatserver.api.deps import OwnerStoreDep, StateDep
+from chatserver.api.quota import check_conversations
+from chatserver.conversations import exchange, pii
+from chatserver.search.index import IndexFollower, SearchIndex
+from chatserver.store.files import FileStore, NotFound, OwnerStore, new_id, now_iso
+
+log = logging.getLogger("chat.exchange")
+
+INDEX_FILE = "search.sqlite3"
+SYNCED_INDEX_FILE = "search-redis.sqlite3"  # never the file store's: switching STORE starts afresh
+
+router = APIRouter()
+
+
+class FollowedSearch:
+    """Search over the file store, whose every change the index is told of as it is made."""
+
+    def __init__(self, index: SearchIndex, ready: asyncio.Task) -> None:
+        self.index, self.ready = index, ready
+
+    async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
+        await asyncio.shield(self.ready)  # the start-up catch-up
+        return await self.index.search(store.owner, q, limit)
+
+    async def close(self) -> None:
+        self.ready.cancel()
+        await self.index.close()
+
+
+class SyncedSearch:
+    """Search over a store that other processes write too (Redis): each search first re-indexes the
+    person's conversations whose `updated_at` is not the one the index holds, and forgets the gone.
+
+    Listing is one round trip and an unchanged conversation costs nothing more, so a search sees
+    every change made on any server without a feed of changes to follow.
+    """
+
+    def __init__(self, index: SearchIndex) -> None:
+        self.index = index
+
+    async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
+        listed = {c["id"]: c["updated_at"] for c in await store.list()}
+        known = await self.index.stamps(store.owner)
+        for conv_id in known.keys() - listed.keys():
+            self.index.remove_conversation(store.owner, conv_id)
+        for conv_id, updated_at in listed.items():
+            if known.get(conv_id) == updated_at:
+                continue
+            try:
+                self.index.index_conversation(store.owner, await store.get(conv_id))
+            except NotFound:
+                continue  # deleted since the listing
+        return await self.index.search(store.owner, q, limit)
+
+    async def close(self) -> None:
+        await self.index.close()
+
+
+async def open_index(files: FileStore) -> FollowedSearch:
+    """The index beside the store's files, bringing itself in line with them in the background."""
+    index = SearchIndex(files.root / INDEX_FILE)
+    await index.open()
+    follower = IndexFollower(index)
+    files.observers.append(follower)
+
+    async def catch_up() -> SearchIndex:
+        convs = await anyio.to_thread.run_sync(files.load_all)
+        pairs = [(conv["owner"], conv) for conv in convs]
+        await (index.reconcile(pairs) if await index.is_built() else index.rebuild(pairs))
+        follower.seen_all(convs)
+        return index
+
+    return FollowedSearch(index, asyncio.create_task(catch_up()))
+
+
+async def open_synced_index(data_dir: Path) -> SyncedSearch:
+    """The index in DATA_DIR, brought in line with the store by each search (servers sharing
+    DATA_DIR share the file; SQLite takes their writes one at a time)."""
+    index = SearchIndex(data_dir / SYNCED_INDEX_FILE)
+    await index.open()
+    return SyncedSearch(index)
+
+
+def get_search(request: Request) -> FollowedSearch | SyncedSearch:
+    return request.app.state.search
+
+
+SearchDep = Annotated[FollowedSearch | SyncedSearch, Depends(get_search)]
+
+
+@router.get("/api/search")
+async def search(searcher: SearchDep, store: OwnerStoreDep,
+                 q: Annotated[str, Query(min_length=1, max_length=200)],
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20) -> list[dict]:
+    """The owner's best matches; each `snippet` is HTML whose only markup is <mark>."""
+    return await searcher.search(store, q, limit)
+
+
+@router.get("/api/conversations/{conv_id}/export")
+async def export_conversation(conv_id: str, store: OwnerStoreDep,
+                              format: Literal["json", "md"] = "json") -> Response:
+    """The conversation as a download: this server's JSON envelope, or Markdown."""
+    conv = await store.get(conv_id)
+    if format == "md":
+        body = exchange.export_markdown(conv).encode("utf-8")
+        media = "text/markdown; charset=utf-8"
+    else:
+        body = await anyio.to_thread.run_sync(exchange.export_json, [(conv, None)])
+        media = "application/json"
+    name = exchange.safe_filename(conv.get("title", ""), format)
+    return Response(body, media_type=media, headers={
+        "Content-Disposition": exchange.content_disposition(name), "Cache-Control": "no-store"})
+
+
+@router.post("/api/import", status_code=201)
+async def import_conversations(file: UploadFile, state: StateDep, store: OwnerStoreDep) -> Response:
+    """Every conversation in the uploaded file, or 422 with the reason and nothing stored."""
+    if file.size is not None and file.size > exchange.MAX_IMPORT_BYTES:
+        return JSONResponse({"detail": f"the file is over {exchange.MAX_IMPORT_BYTES // 2**20} MB"}, status_code=422)
+    raw = await file.read()
+    try:
+        imported = await anyio.to_thread.run_sync(exchange.parse_import, raw)
+    except exchange.Unreadable as exc:
+        return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
+    lineup = {m.id for m in await state.lineup()}
+    await check_conversations(state.settings.quota_conversations, store, len(imported))
+    ids, warnings = [], []
+    for conv in imported:
+        replaced = model_replaced(conv["model"], lineup, state.settings.default_model)
+        stored = stored_conversation(conv, state, store.owner, replaced)
+        if state.settings.pii_masking == "on":
+            await anyio.to_thread.run_sync(pii.mask_conversation, stored)
+        created = await store.create(stored)
+        ids.append(created["id"])
+        if replaced:
+            warnings.append({"id": created["id"], "code": "model_replaced", "message": replaced})
+    return JSONResponse({"imported": ids, "warnings": warnings}, status_code=201)
+
+
+def model_replaced(model: str | None, lineup: set[str], default: str) -> str | None:
+    """What to tell the person when an imported conversation's model cannot answer here (None: it can,
+    or the file named none): only the lineup's models go upstream, so it gets the default."""
+    if model is None or model in lineup:
+        return None
+    return (f"This conversation was made with {exchange.one_line(model)[:200]}, which is not in this server's "
+            f"model lineup: it answers with {default} (change it in the model picker).")
+
+
+def stored_conversation(conv: exchange.ImportedConversation, state, owner: str, replaced: str | None = None) -> dict:
+    """A new stored conversation from an imported tree, in the store's branch model (branches.py):
+    the current path in `archive` (what the export said compression had folded) and `messages`,
+    every other branch in `off_path`. `replaced`: the notice saying its model was replaced by the
+    default one, put at the end of the path."""
+    from chatserver.api.conversations import default_settings
+
+    nodes = [dict(n) for n in conv["nodes"]]
+    path = exchange.current_path(nodes, conv["current"])
+    folded = set(conv.get("folded", []))
+    cut = next((i for i, n in enumerate(path) if n["id"] not in folded), len(path))
+    archive, messages = path[:cut], path[cut:]
+    if conv.get("archive"):
+        # An older export's folded messages: the path before the tree's first message.
+        archive, previous = [], None
+        for m in conv["archive"]:
+            archive.append({"id": new_id(), **m, "parent_id": previous})
+            previous = archive[-1]["id"]
+        for n in nodes:
+            if n["parent_id"] is None:
+                n["parent_id"] = previous
+    on_path = {n["id"] for n in path}
+    summary = conv.get("summary", "")
+    if replaced:
+        leaf = (path or archive or [{"id": None}])[-1]["id"]
+        messages = messages + [{"id": new_id(), "role": "notice", "content": replaced, "created_at": now_iso(),
+                                "parent_id": leaf}]
+    return {
+        "id": new_id(), "title": conv["title"], "title_source": "imported",
+        "model": conv["model"] if conv["model"] and not replaced else state.settings.default_model,
+        "created_at": conv["created_at"], "updated_at": now_iso(),
+        "settings": default_settings(state.settings, None, owner),
+        "summary": summary,
+        "messages": messages, "archive": archive,
+        "off_path": [n for n in nodes if n["id"] not in on_path],
+        "folds": [{"through": archive[-1]["id"], "summary": summary}] if archive else [],
+    }

@@ -1,0 +1,89 @@
+"""`/api/presets` (API.md): list, create, replace and delete presets; and `GET /api/tools`, the
+tools those presets choose from.
+
+Routes validate the body's shape (pydantic) and hand the rest to `presets.Presets`, whose errors
+carry the HTTP status they become. The data directory and the tool names come from `get_presets`,
+a dependency the app can override.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from chatserver.api.deps import OwnerDep
+from chatserver.conversations.presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets
+from chatserver.tools import registry as tools
+
+router = APIRouter(tags=["presets"])
+
+
+class PresetIn(BaseModel):
+    """The body of POST and PUT."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN)
+    text: str = Field(min_length=1, max_length=TEXT_MAX_CHARS)
+    tools: list[str] = Field(default_factory=list, max_length=64)
+    model: str | None = Field(default=None, min_length=1, max_length=MODEL_MAX_CHARS)
+
+
+async def get_presets(request: Request, owner: OwnerDep) -> Presets:
+    """This person's presets (the built-in ones and their own), checked against the registered tools."""
+    return Presets(request.app.state.chat.settings.data_dir, tools.registry.names(), owner=owner)
+
+
+PresetsDep = Annotated[Presets, Depends(get_presets)]
+
+
+async def get_registry() -> tools.Registry:
+    return tools.registry
+
+
+RegistryDep = Annotated[tools.Registry, Depends(get_registry)]
+
+
+def _answer(exc: PresetError) -> HTTPException:
+    return HTTPException(status_code=exc.status, detail=str(exc))
+
+
+@router.get("/api/presets")
+async def list_presets(presets: PresetsDep) -> list[dict]:
+    try:
+        return [p.out() for p in presets.entries()]
+    except PresetError as exc:
+        raise _answer(exc) from None
+
+
+@router.post("/api/presets", status_code=201)
+async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
+    try:
+        return presets.create(body.name, body.text, body.tools, body.model).out()
+    except PresetError as exc:
+        raise _answer(exc) from None
+
+
+@router.put("/api/presets/{name}")
+async def replace_preset(name: str, body: PresetIn, presets: PresetsDep) -> dict:
+    try:
+        return presets.update(name, body.name, body.text, body.tools, body.model).out()
+    except PresetError as exc:
+        raise _answer(exc) from None
+
+
+@router.delete("/api/presets/{name}", status_code=204)
+async def delete_preset(name: str, presets: PresetsDep) -> Response:
+    try:
+        presets.delete(name)
+    except PresetError as exc:
+        raise _answer(exc) from None
+    return Response(status_code=204)
+
+
+@router.get("/api/tools")
+async def list_tools(request: Request, registry: RegistryDep) -> list[dict]:
+    """Local tools with their schemas, whether this server has them configured, and failure counts."""
+    return registry.listing(request.app.state.chat.settings)

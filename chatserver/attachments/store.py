@@ -1,0 +1,729 @@
+"""Attachments: files a person gives a conversation (or their library), read to text once, kept on
+disk, and searched by the model through two tools that take only what the model means.
+
+Promises:
+- A file is recognised by its content (magic bytes) and its extension, never by the type the
+  client claims. PDF (pypdfium2), DOCX (python-docx) and UTF-8 text-like files are recognised and
+  read by `extraction.py` in a child process under a memory and time limit, one per person at a
+  time, so no file can exhaust the server or hold up other people's uploads. Text is kept per page
+  (PDF) or per section (DOCX headings, bounded chunks of text files), each with its position, so
+  an answer can cite "report.pdf p. 12".
+- Any failure raises an `AttachmentError` carrying its HTTP status and a sentence saying what was
+  wrong; nothing is stored then. A stored attachment is a directory
+  `DATA_DIR/attachments/<scope>/<id>/` holding `meta.json`, `pages.json` and `original`, which
+  appears whole (renamed from a staging directory) or not at all.
+- File names are untrusted text: sanitised for display, never part of a path.
+- Whose files the tools see comes from the `attachment_scope` ContextVar, which a turn sets with
+  `attachment_context(...)` and which is reset in `finally` however the turn ends.
+
+It knows directories and ids, not conversations' contents, turns or wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+import unicodedata
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import orjson
+
+from chatserver.attachments.extraction import (  # noqa: F401  (the errors are this module's too)
+    ACCEPTED,
+    TEXT_TYPES,
+    AttachmentError,
+    Busy,
+    Extractor,
+    TooLarge,
+    Unreadable,
+    Unsupported,
+    extension,
+)
+from chatserver.conversations import pii
+from chatserver.store.files import atomic_write, new_id, now_iso, valid_id
+
+log = logging.getLogger("chat.attachments")
+
+# Measured on a generated 300-page PDF (400 words a page, equal text from both after whitespace
+# normalisation): pypdfium2 1,885 pages/s, pypdf 622 pages/s. pypdf also returned NUL-padded
+# text for a CJK CID font that pypdfium2 read correctly. Hence pypdfium2 (in extraction.py).
+MEDIA_PDF = "application/pdf"
+MEDIA_DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+
+NAME_MAX = 255
+PASSAGE_CHARS = 1000  # what one search hit shows
+SEARCH_HITS = 5
+INDEX_FILE = "passages.sqlite3"  # DATA_DIR/attachments/passages.sqlite3
+READ_MAX_CHARS = 20_000  # one read_attachment answer (~5k tokens)
+# Owner names become one directory level under library/, so they are held to this.
+_OWNER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+
+NO_CONTEXT = ("There are no attachments in this context: this tool only works inside a conversation "
+              "turn, and sees the files attached to that conversation (and the library when enabled).")
+
+
+class AttachmentNotFound(AttachmentError):
+    status = 404
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """One owner of attachments: a directory under DATA_DIR/attachments and where hits come from."""
+
+    key: str
+    source: str  # "conversation" | "library"
+
+
+def conversation_scope(conversation_id: str) -> Scope:
+    # "library" (7 characters) can never be a conversation id (8-64), so the two never collide.
+    if not valid_id(conversation_id):
+        raise AttachmentNotFound("conversation not found")
+    return Scope(conversation_id, "conversation")
+
+
+def library_scope(owner: str) -> Scope:
+    if not _OWNER.fullmatch(owner):
+        raise ValueError(f"owner {owner!r} is not usable as a library name")
+    return Scope(f"library/{owner}", "library")
+
+
+@dataclass(frozen=True, slots=True)
+class Passage:
+    attachment_id: str
+    name: str
+    page: int
+    label: str
+    text: str
+    source: str
+    cited_as: str
+
+    def citation(self) -> dict:
+        return {"attachment_id": self.attachment_id, "name": self.name, "page": self.page, "label": self.cited_as}
+
+
+@dataclass(slots=True)
+class AttachmentToolResult:
+    """What a tool answers: `text` for the model, `citations` and `passages` for the reply and the page."""
+
+    text: str
+    summary: str
+    citations: list[dict] = field(default_factory=list)
+    passages: list[dict] = field(default_factory=list)
+
+
+# -- names and types ---------------------------------------------------------------------------
+
+# Bidirectional overrides and isolates let "invoice\u202efdp.exe" display as "invoiceexe.pdf".
+_BIDI = dict.fromkeys([*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C])
+
+
+def sanitize_name(name: str) -> str:
+    """A file name fit for display: no control, surrogate or bidi characters, at most NAME_MAX long."""
+    name = unicodedata.normalize("NFC", name).translate(_BIDI)
+    name = "".join(c for c in name if unicodedata.category(c) not in ("Cc", "Cs", "Co", "Cn")).strip()
+    if len(name) > NAME_MAX:
+        suffix = PurePosixPath(name).suffix
+        suffix = suffix if len(suffix) <= 16 else ""
+        name = name[: NAME_MAX - len(suffix)].rstrip() + suffix
+    return name or "unnamed"
+
+
+def media_type(kind: str, name: str) -> str:
+    if kind == "pdf":
+        return MEDIA_PDF
+    if kind == "docx":
+        return MEDIA_DOCX
+    return TEXT_TYPES.get(extension(name), "text/plain")
+
+
+def cited_as(meta: dict, section: dict) -> str:
+    """Where a passage is, as a person reads it on a citation chip: "p. 3" (PDF), "lines 40-80"
+    (text), "§ Budget" or "section 2" (DOCX, by its heading when it has one)."""
+    label = section["label"]
+    if meta.get("media_type") == MEDIA_DOCX and label != f"section {section['page']}":
+        return f"§ {label}"
+    return label
+
+
+# -- search ------------------------------------------------------------------------------------
+
+# Hangul (syllables, jamo), kana and CJK ideographs. Korean glues particles to words ("감귤은") and
+# Japanese and Chinese put no spaces at all, so such runs become overlapping character bigrams;
+# other scripts become lower-cased word tokens.
+_CJK = ("\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff"
+        "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f")
+_TOKEN = re.compile(f"([{_CJK}]+)|[^\\W{_CJK}]+")
+
+
+def tokenize(text: str) -> list[str]:
+    """BM25 tokens: word tokens for most scripts, character bigrams over Hangul/CJK runs."""
+    out: list[str] = []
+    for match in _TOKEN.finditer(unicodedata.normalize("NFKC", text).lower()):
+        run = match.group(1)
+        if run is None:
+            out.append(match.group(0))
+        elif len(run) == 1:
+            out.append(run)
+        else:
+            out.extend(run[i:i + 2] for i in range(len(run) - 1))
+    return out
+
+
+def split_passages(text: str, limit: int = PASSAGE_CHARS) -> list[str]:
+    """Pieces of at most about `limit` characters, cut at paragraph, line or word boundaries."""
+    text = text.strip()
+    out = []
+    while len(text) > limit:
+        cut = max(text.rfind("\n\n", 0, limit), text.rfind("\n", 0, limit), text.rfind(" ", 0, limit))
+        if cut < limit // 2:
+            cut = limit
+        out.append(text[:cut].strip())
+        text = text[cut:].strip()
+    if text:
+        out.append(text)
+    return out
+
+
+PASSAGES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS indexed (scope TEXT NOT NULL, attachment_id TEXT NOT NULL,
+    PRIMARY KEY (scope, attachment_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS passages (
+    id INTEGER PRIMARY KEY, scope TEXT NOT NULL, attachment_id TEXT NOT NULL, name TEXT NOT NULL,
+    page INTEGER NOT NULL, label TEXT NOT NULL, cited_as TEXT NOT NULL, text TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS passages_attachment ON passages (scope, attachment_id);
+CREATE VIRTUAL TABLE IF NOT EXISTS fts USING fts5(tokens, tokenize="unicode61 remove_diacritics 0 tokenchars '_'");
+"""
+INDEX_BATCH = 2000  # passages written per transaction while a scope's older files are indexed
+
+
+class SearchIndex:
+    """BM25 over every scope's passages, on disk in one SQLite FTS5 file, so memory stays the same
+    however large a library grows.
+
+    The FTS5 table holds `tokenize`'s tokens joined by spaces (so Hangul/CJK bigrams and word
+    tokens are what FTS5 sees), ranked by FTS5's bm25(). `indexed` names the attachments whose
+    passages are in; files stored before this index existed are added on their scope's first search.
+    Writes go through one connection under a lock; calls come from worker threads.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            _make_private(self.path)
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.executescript(PASSAGES_SCHEMA)
+            self._conn = conn
+        return self._conn
+
+    def add(self, scope: Scope, meta: dict, pages: Iterable[dict]) -> None:
+        """Index one attachment's passages, in batches of INDEX_BATCH rows per transaction."""
+        with self._lock:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM fts WHERE rowid IN (SELECT id FROM passages WHERE scope = ? "
+                           "AND attachment_id = ?)", (scope.key, meta["id"]))
+                db.execute("DELETE FROM passages WHERE scope = ? AND attachment_id = ?", (scope.key, meta["id"]))
+                written = 0
+                for page in pages:
+                    for text in split_passages(page["text"]):
+                        row = db.execute(
+                            "INSERT INTO passages (scope, attachment_id, name, page, label, cited_as, text) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (scope.key, meta["id"], meta["name"], page["page"], page["label"],
+                             cited_as(meta, page), text)).lastrowid
+                        db.execute("INSERT INTO fts (rowid, tokens) VALUES (?, ?)", (row, " ".join(tokenize(text))))
+                        written += 1
+                        if written % INDEX_BATCH == 0:
+                            db.execute("COMMIT")
+                            db.execute("BEGIN IMMEDIATE")
+                db.execute("INSERT OR IGNORE INTO indexed (scope, attachment_id) VALUES (?, ?)",
+                           (scope.key, meta["id"]))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def remove(self, scope: Scope, attachment_id: str | None = None) -> None:
+        """Drop one attachment's passages, or the whole scope's when `attachment_id` is None."""
+        where, args = ("scope = ?", (scope.key,)) if attachment_id is None else \
+            ("scope = ? AND attachment_id = ?", (scope.key, attachment_id))
+        with self._lock:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(f"DELETE FROM fts WHERE rowid IN (SELECT id FROM passages WHERE {where})", args)
+                db.execute(f"DELETE FROM passages WHERE {where}", args)
+                db.execute(f"DELETE FROM indexed WHERE {where}", args)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def missing(self, scope: Scope, ids: Iterable[str]) -> list[str]:
+        with self._lock:
+            have = {r[0] for r in self._db().execute(
+                "SELECT attachment_id FROM indexed WHERE scope = ?", (scope.key,))}
+        return [i for i in ids if i not in have]
+
+    def search(self, scopes: dict[str, Scope], live: set[str], query: str,
+               k: int = SEARCH_HITS) -> list[Passage]:
+        """The best `k` passages of these scopes (keyed by scope key) from attachments in `live`."""
+        tokens = list(dict.fromkeys(tokenize(query)))
+        if not tokens or not scopes:
+            return []
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in tokens)
+        marks = ",".join("?" * len(scopes))
+        with self._lock:
+            rows = self._db().execute(
+                "SELECT p.attachment_id, p.name, p.page, p.label, p.text, p.scope, p.cited_as "
+                f"FROM fts JOIN passages p ON p.id = fts.rowid WHERE fts MATCH ? AND p.scope IN ({marks}) "
+                "ORDER BY bm25(fts) LIMIT ?", (match, *scopes, 4 * k)).fetchall()
+        # Rows of a file another process deleted may linger until its next write: skipped here.
+        hits = [Passage(a, n, page, label, text, scopes[s].source, c)
+                for a, n, page, label, text, s, c in rows if a in live]
+        return hits[:k]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _make_private(path: Path) -> None:
+    """The index holds the files' text: 0600 like the files (SQLite gives its -wal and -shm files the
+    database's own mode)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+def _masked_pages(pages: list[dict]) -> list[dict]:
+    return [{**page, "text": pii.mask(page["text"])[0]} for page in pages]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_bytes: int = 20 * 1024 * 1024
+    max_pages: int = 1000
+    timeout: float = 30.0  # EXTRACT_TIMEOUT
+    max_mb: int = 512  # EXTRACT_MAX_MB
+    workers: int = 2  # EXTRACT_WORKERS
+    queue: int = 8  # EXTRACT_QUEUE
+    quota_bytes: int = 2**30  # QUOTA_FILE_BYTES, per person: conversations' files and library together
+    mask_pii: bool = False  # PII_MASKING=on: the text kept (and read to the model) is masked
+
+    @property
+    def max_chars(self) -> int:
+        # A text file's characters are at most its bytes; PDF and DOCX text rarely outgrows the
+        # file twice over. Past this the text the server would hold is refused.
+        return 2 * self.max_bytes
+
+
+# Called with an upload's size inside its person's turn; raises when the file does not fit.
+RoomCheck = Callable[[int], Awaitable[None]]
+
+
+class Attachments:
+    """Attachment files under `root` (DATA_DIR/attachments), with cached listings and search indexes.
+
+    Caches are per process and invalidated by this process's uploads and deletes.
+    """
+
+    def __init__(self, root: Path, limits: Limits = Limits()) -> None:
+        self.root = root
+        self.limits = limits
+        self.incoming = root / ".incoming"
+        self.extractor = Extractor(limits.max_mb, limits.timeout, limits.workers, limits.queue)
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="attachments")
+        self._metas: dict[str, list[dict]] = {}
+        self.search_index = SearchIndex(root / INDEX_FILE)
+        self._indexing: dict[str, asyncio.Future] = {}
+
+    def _dir(self, scope: Scope) -> Path:
+        return self.root / scope.key
+
+    def _changed(self, scope: Scope) -> None:
+        self._metas.pop(scope.key, None)
+
+    def sweep(self, older_than: float = 3600.0) -> None:
+        """Remove what a crash left behind: partial uploads, staging and half-deleted directories.
+
+        Only leftovers older than `older_than` seconds go, so an upload under way in another
+        process sharing the directory is never touched.
+        """
+        cutoff = time.time() - older_than
+        leftovers = [*self.incoming.glob("upload-*.part"), *self.root.glob("*/.staging-*"),
+                     *self.root.glob("library/*/.staging-*"), *self.root.glob(".deleting-*"),
+                     *self.root.glob("*/.deleting-*"), *self.root.glob("library/*/.deleting-*")]
+        for path in leftovers:
+            try:
+                if path.lstat().st_mtime >= cutoff:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            except OSError as exc:
+                log.warning("could not remove leftover %s: %s", path.name, exc)
+
+    def incoming_file(self) -> tuple[int, Path]:
+        """A new temporary file for an upload, on the same filesystem as the attachments."""
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=self.incoming, prefix="upload-", suffix=".part")
+        return fd, Path(name)
+
+    async def ingest(self, scope: Scope, name: str, upload: Path, person: str,
+                     fits: RoomCheck | None = None) -> dict:
+        """Read `upload` (a temporary file this call consumes) and store it; AttachmentError otherwise.
+
+        `person`'s uploads are read one at a time; `fits`, checked in that turn, refuses one that
+        would pass the person's quota.
+        """
+        display = sanitize_name(name)
+        try:
+            size = upload.stat().st_size
+            if size > self.limits.max_bytes:
+                raise TooLarge(f"the file is over {self.limits.max_bytes} bytes")
+            if size == 0:
+                raise Unreadable("the file is empty")
+            async with self.extractor.turn(person):
+                if fits is not None:
+                    await fits(size)
+                read = await self.extractor.run(upload, display, max_pages=self.limits.max_pages,
+                                                max_chars=self.limits.max_chars)
+                kind, pages, total = read["kind"], read["pages"], read["total"]
+                if self.limits.mask_pii:
+                    pages = await asyncio.get_running_loop().run_in_executor(self._executor, _masked_pages, pages)
+                meta = {
+                    "id": new_id(), "name": display, "media_type": media_type(kind, display), "bytes": size,
+                    "pages": total if kind == "pdf" else None, "chars": sum(len(p["text"]) for p in pages),
+                    "created_at": now_iso(), "kind": kind, "sections": len(pages),
+                }
+                if kind == "pdf" and total > len(pages):
+                    meta["pages_read"] = len(pages)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._commit, scope, meta, pages, upload)
+                self._changed(scope)
+        finally:
+            upload.unlink(missing_ok=True)
+        return public(meta)
+
+    def used_bytes(self, scopes: Iterable[Scope]) -> int:
+        """The bytes of the files stored in these scopes."""
+        return sum(m.get("bytes", 0) for s in scopes for m in self.list(s))
+
+    def _commit(self, scope: Scope, meta: dict, pages: list[dict], upload: Path) -> None:
+        """Move the upload and its text into place: the directory appears whole or not at all."""
+        final = self._dir(scope) / meta["id"]
+        staging = self._dir(scope) / f".staging-{meta['id']}"
+        staging.mkdir(parents=True)
+        try:
+            with open(upload, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(upload, staging / "original")
+            atomic_write(staging / "pages.json", orjson.dumps(pages))
+            atomic_write(staging / "meta.json", orjson.dumps(meta))
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _fsync_dir(final.parent)
+        try:
+            self.search_index.add(scope, meta, pages)
+        except sqlite3.Error as exc:  # the file is stored; its scope's next search indexes it
+            log.error("could not index attachment %s/%s: %s", scope.key, meta["id"], exc)
+
+    def list(self, scope: Scope) -> list[dict]:
+        """The scope's attachments (stored meta, oldest first); cached until the next change."""
+        cached = self._metas.get(scope.key)
+        if cached is not None:
+            return cached
+        metas = []
+        directory = self._dir(scope)
+        if directory.is_dir():
+            for entry in directory.iterdir():
+                if not valid_id(entry.name):
+                    continue
+                try:
+                    metas.append(orjson.loads((entry / "meta.json").read_bytes()))
+                except (OSError, orjson.JSONDecodeError) as exc:
+                    log.error("skipping attachment %s/%s: %s", scope.key, entry.name, exc)
+        metas.sort(key=lambda m: (m.get("created_at", ""), m.get("id", "")))
+        self._metas[scope.key] = metas
+        return metas
+
+    def get(self, scope: Scope, attachment_id: str) -> dict:
+        for meta in self.list(scope):
+            if meta["id"] == attachment_id:
+                return meta
+        raise AttachmentNotFound("attachment not found")
+
+    def original(self, scope: Scope, attachment_id: str) -> tuple[dict, Path]:
+        meta = self.get(scope, attachment_id)
+        return meta, self._dir(scope) / meta["id"] / "original"
+
+    def pages(self, scope: Scope, attachment_id: str) -> list[dict]:
+        meta = self.get(scope, attachment_id)
+        return orjson.loads((self._dir(scope) / meta["id"] / "pages.json").read_bytes())
+
+    async def delete(self, scope: Scope, attachment_id: str) -> None:
+        meta = self.get(scope, attachment_id)
+        target = self._dir(scope) / meta["id"]
+        # Renamed first so a reader never meets a half-removed directory.
+        doomed = self._dir(scope) / f".deleting-{meta['id']}"
+        os.rename(target, doomed)
+        self._changed(scope)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope, meta["id"])
+        await asyncio.to_thread(shutil.rmtree, doomed, True)
+
+    async def delete_scope(self, scope: Scope) -> None:
+        """Remove every attachment of a scope (a deleted conversation's files)."""
+        directory = self._dir(scope)
+        self._changed(scope)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope)
+        if directory.is_dir():
+            doomed = directory.with_name(f".deleting-{directory.name}-{new_id()}")
+            os.rename(directory, doomed)
+            await asyncio.to_thread(shutil.rmtree, doomed, True)
+
+    def check_ids(self, scope: Scope, ids: list[str]) -> list[str]:
+        """`ids` when each names an attachment of `scope`; AttachmentNotFound otherwise."""
+        for attachment_id in ids:
+            self.get(scope, attachment_id)
+        return list(ids)
+
+    async def search(self, scopes: tuple[Scope, ...], query: str, k: int = SEARCH_HITS) -> list[Passage]:
+        """The best passages of these scopes for `query`; files not yet in the index are added first."""
+        loop = asyncio.get_running_loop()
+        live: set[str] = set()
+        for scope in scopes:
+            metas = self.list(scope)
+            live.update(m["id"] for m in metas)
+            # One catch-up per scope at a time; later searches wait for it rather than repeat it.
+            pending = self._indexing.get(scope.key)
+            if pending is None:
+                pending = loop.run_in_executor(self._executor, self._catch_up, scope, metas)
+                self._indexing[scope.key] = pending
+                pending.add_done_callback(lambda _, key=scope.key: self._indexing.pop(key, None))
+            await asyncio.shield(pending)
+        return await loop.run_in_executor(self._executor, self.search_index.search,
+                                          {s.key: s for s in scopes}, live, query, k)
+
+    def _catch_up(self, scope: Scope, metas: list[dict]) -> None:
+        """Index the scope's files stored before the index had them, one file at a time."""
+        for attachment_id in self.search_index.missing(scope, [m["id"] for m in metas]):
+            meta = next(m for m in metas if m["id"] == attachment_id)
+            try:
+                pages = orjson.loads((self._dir(scope) / attachment_id / "pages.json").read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                continue  # deleted meanwhile
+            self.search_index.add(scope, meta, pages)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.search_index.close()
+
+
+def public(meta: dict) -> dict:
+    """The API's Attachment: the stored meta without bookkeeping fields."""
+    out = {k: meta.get(k) for k in ("id", "name", "media_type", "bytes", "pages", "chars", "created_at")}
+    if "pages_read" in meta:
+        out["pages_read"] = meta["pages_read"]
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the turn's context and the tools ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class AttachmentScope:
+    """Whose files the attachment tools see during one turn."""
+
+    attachments: Attachments
+    scopes: tuple[Scope, ...]
+
+
+attachment_scope: ContextVar[AttachmentScope | None] = ContextVar("attachment_scope", default=None)
+
+
+@contextmanager
+def attachment_context(attachments: Attachments, conversation_id: str, owner: str,
+                       library: bool = False) -> Iterator[AttachmentScope]:
+    """Let the attachment tools see this conversation's files (and the owner's library) inside the block."""
+    scopes = [conversation_scope(conversation_id)]
+    if library:
+        scopes.append(library_scope(owner))
+    scope = AttachmentScope(attachments, tuple(scopes))
+    token = attachment_scope.set(scope)
+    try:
+        yield scope
+    finally:
+        # Reset however the turn ends: a scope left set would show these files to the next turn.
+        attachment_scope.reset(token)
+
+
+def _pages_word(meta: dict) -> str:
+    if meta.get("pages") is not None:
+        read = meta.get("pages_read")
+        return f"{meta['pages']} pages" + (f", first {read} read" if read else "")
+    count = meta.get("sections", 1)
+    return f"{count} section{'s' if count != 1 else ''}"
+
+
+def attachment_listing(scope: AttachmentScope | None) -> str:
+    """The prompt block naming the files the tools can see (never their text); "" when there are none."""
+    if scope is None:
+        return ""
+    blocks = []
+    for s in scope.scopes:
+        metas = scope.attachments.list(s)
+        if not metas:
+            continue
+        title = ("Files attached to this conversation:" if s.source == "conversation"
+                 else "Files in the person's library:")
+        blocks.append("\n".join([title, *(f"- {m['name']} ({_pages_word(m)})" for m in metas)]))
+    if not blocks:
+        return ""
+    return ("\n".join(blocks) + "\nTheir text is not shown here: use search_attachments to find passages "
+            "and read_attachment to read pages, and cite them as (name p. N).")
+
+
+def _where(passage: Passage) -> str:
+    return f"{passage.name} {passage.label}" if passage.label.startswith("p. ") else \
+        f"{passage.name} §{passage.page} ({passage.label})"
+
+
+async def search_attachments(query: str) -> AttachmentToolResult:
+    """Search the attached files for passages about `query`: the best ones, with file name and page.
+
+    Sees the files of this conversation, and the person's library when the conversation enables it.
+
+    Args:
+        query: what to look for, in words likely to appear in the file (any language).
+    """
+    scope = attachment_scope.get()
+    if scope is None:
+        return AttachmentToolResult(NO_CONTEXT, "no attachment context")
+    if not any(scope.attachments.list(s) for s in scope.scopes):
+        return AttachmentToolResult("No files are attached to this conversation.", "no files")
+    hits = await scope.attachments.search(scope.scopes, query)
+    if not hits:
+        return AttachmentToolResult(f"No passage in the attached files matches {query!r}.", "no match")
+    blocks = [f"[{n}] {_where(p)} ({p.source})\n{p.text}" for n, p in enumerate(hits, start=1)]
+    citations = []
+    for p in hits:
+        if p.citation() not in citations:
+            citations.append(p.citation())
+    names = sorted({p.name for p in hits})
+    return AttachmentToolResult(
+        "\n\n".join(blocks),
+        f"{len(hits)} passage{'s' if len(hits) != 1 else ''} from {', '.join(names)}",
+        citations,
+        [{"attachment_id": p.attachment_id, "name": p.name, "page": p.page, "text": p.text,
+          "source": p.source} for p in hits],
+    )
+
+
+def _find(scope: AttachmentScope, name: str) -> tuple[Scope, dict] | None:
+    """The attachment called `name` (exactly, else ignoring case, else by id); the newest wins."""
+    candidates = [(s, m) for s in scope.scopes for m in scope.attachments.list(s)]
+    for matches in (
+        lambda m: m["name"] == name,
+        lambda m: m["name"].casefold() == name.strip().casefold(),
+        lambda m: m["id"] == name,
+    ):
+        found = [(s, m) for s, m in candidates if matches(m)]
+        if found:
+            return max(found, key=lambda sm: sm[1]["created_at"])
+    return None
+
+
+async def read_attachment(name: str, start_page: int = 1,
+                          end_page: int | None = None) -> AttachmentToolResult:
+    """Read pages start_page to end_page of an attached file; a long range is cut short.
+
+    DOCX and text files have numbered sections instead of pages.
+
+    Args:
+        name: the file's name as listed (e.g. "report.pdf").
+        start_page: the first page to read, from 1.
+        end_page: the last page to read; omit to read on as far as the length cap allows.
+    """
+    scope = attachment_scope.get()
+    if scope is None:
+        return AttachmentToolResult(NO_CONTEXT, "no attachment context")
+    found = _find(scope, name)
+    if found is None:
+        known = [m["name"] for s in scope.scopes for m in scope.attachments.list(s)]
+        listing = ", ".join(known) if known else "none"
+        return AttachmentToolResult(f"No attached file is called {name!r}. Attached files: {listing}.",
+                                    "no such file")
+    where, meta = found
+    pages = await asyncio.to_thread(scope.attachments.pages, where, meta["id"])
+    last = pages[-1]["page"]
+    start = max(1, start_page)
+    end = min(last, end_page if end_page is not None else last)
+    if start > last or end < start:
+        return AttachmentToolResult(f"{meta['name']} has pages 1 to {last}; {start_page}-{end_page} is "
+                                    "outside that.", "pages out of range")
+    parts, size, shown = [], 0, []
+    for page in pages[start - 1:end]:
+        block = f"--- {meta['name']} {page['label']} ---\n{page['text']}"
+        if size + len(block) > READ_MAX_CHARS and parts:
+            break
+        parts.append(block[:READ_MAX_CHARS])
+        size += len(block)
+        shown.append(page["page"])
+    text = "\n\n".join(parts)
+    if shown[-1] < end:
+        text += (f"\n\n[Stopped after page {shown[-1]} to stay within {READ_MAX_CHARS} characters; "
+                 f"call read_attachment with start_page={shown[-1] + 1} to continue.]")
+    span = f"{shown[0]}" if len(shown) == 1 else f"{shown[0]}-{shown[-1]}"
+    return AttachmentToolResult(
+        text, f"read {meta['name']} {'p.' if meta.get('pages') is not None else '§'} {span}",
+        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "label": cited_as(meta, p)}
+         for p in pages[start - 1:start - 1 + len(shown)]],
+        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "text": p["text"],
+          "source": where.source} for p in pages[start - 1:start - 1 + len(shown)]],
+    )
+
+
+def content_disposition(name: str) -> str:
+    """`attachment` with an ASCII fallback and the RFC 5987 UTF-8 name."""
+    from urllib.parse import quote
+
+    display = sanitize_name(name)
+    fallback = "".join(c if c.isascii() and (c.isalnum() or c in " ._-()[]+,@") else "_" for c in display)
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(display, safe='')}"
+

@@ -1,0 +1,225 @@
+"""Presets: a persona (system prompt text), the tools it allows (its whitelist) and optionally a
+default model.
+
+Built-in presets are `presets/NAME.txt`, read-only; the file is exactly the persona text. Their tool
+lists and models live in the sidecar `presets/presets.json` (`{"NAME": {"tools": [...], "model"?:
+"id"}}`; keys starting with `_` are comments), so a .txt never carries anything but the prompt.
+Custom presets live in `DATA_DIR/presets.json` (`{"schema_version": 1, "presets": [...]}`),
+written atomically. Tool names are checked against the registry's names on every write; names a
+server does not register (yet) are left out on reading, so the shipped `default` can list the
+attachment tools before they exist.
+
+This module knows nothing of HTTP (preset_routes.py maps its errors) or of conversations.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from chatserver.config import PACKAGE
+from chatserver.store.files import LOCAL_OWNER, atomic_write, read_small_file
+
+log = logging.getLogger("chat.presets")
+
+BUILTIN_DIR = PACKAGE / "presets"
+SIDECAR = "presets.json"
+CUSTOM_FILE = "presets.json"
+SCHEMA_VERSION = 1
+NAME_PATTERN = r"^[A-Za-z0-9 _-]{1,64}$"
+TEXT_MAX_CHARS = 50_000
+MODEL_MAX_CHARS = 200
+_NAME = re.compile(NAME_PATTERN)
+_write_lock = threading.Lock()
+
+
+class PresetError(Exception):
+    """A preset request that cannot be done; `status` is the HTTP answer the routes give."""
+
+    status = 400
+
+
+class InvalidPreset(PresetError):
+    status = 422
+
+
+class BuiltinPreset(PresetError):
+    status = 400
+
+
+class PresetNotFound(PresetError):
+    status = 404
+
+
+class PresetExists(PresetError):
+    status = 409
+
+
+class DamagedPresets(PresetError):
+    status = 409
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    name: str
+    text: str
+    tools: tuple[str, ...]
+    model: str | None
+    builtin: bool
+
+    def out(self) -> dict:
+        """The `GET /api/presets` entry."""
+        entry = {"name": self.name, "text": self.text, "tools": list(self.tools), "builtin": self.builtin}
+        if self.model:
+            entry["model"] = self.model
+        return entry
+
+
+class Presets:
+    """The built-in presets plus one person's custom ones, checked against known tool names.
+
+    The local person's (AUTH=none) live in the data directory itself, as they always did; each
+    account's in its own folder, so nobody sees or changes another's.
+    """
+
+    def __init__(self, data_dir: Path, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR,
+                 owner: str = LOCAL_OWNER) -> None:
+        home = Path(data_dir) if owner == LOCAL_OWNER else Path(data_dir) / "users" / owner
+        self.path = home / CUSTOM_FILE
+        self.tool_names = tuple(tool_names)
+        self.builtin_dir = builtin_dir
+
+    # Reading
+
+    def builtin(self) -> list[Preset]:
+        sidecar = _read_sidecar(self.builtin_dir / SIDECAR)
+        out = []
+        for path in sorted(self.builtin_dir.glob("*.txt")):
+            extra = sidecar.get(path.stem, {})
+            out.append(Preset(path.stem, read_small_file(path).decode("utf-8").strip(),
+                              self._known(extra.get("tools", [])), extra.get("model") or None, True))
+        return out
+
+    def custom(self) -> list[Preset]:
+        return [Preset(p["name"], p["text"], self._known(p["tools"]), p.get("model"), False)
+                for p in self._read_custom()]
+
+    def entries(self) -> list[Preset]:
+        """Built-in presets first (by name), then custom ones (by name)."""
+        builtin = self.builtin()
+        taken = {p.name.casefold() for p in builtin}
+        return builtin + sorted((p for p in self.custom() if p.name.casefold() not in taken),
+                                key=lambda p: p.name.casefold())
+
+    def get(self, name: str) -> Preset:
+        for preset in self.entries():
+            if preset.name == name:
+                return preset
+        raise PresetNotFound(f"no preset named {name!r}")
+
+    # Writing
+
+    def create(self, name: str, text: str, tools: Iterable[str], model: str | None = None) -> Preset:
+        preset = self._valid(name, text, tools, model)
+        with _write_lock:
+            if self._builtin_named(name):
+                raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be changed")
+            stored = self._read_custom()
+            if any(p["name"].casefold() == name.casefold() for p in stored):
+                raise PresetExists(f"a preset named {name!r} already exists")
+            self._write(stored + [_stored(preset)])
+        return preset
+
+    def update(self, name: str, new_name: str, text: str, tools: Iterable[str], model: str | None = None) -> Preset:
+        """Replace a custom preset (and rename it when `new_name` differs)."""
+        preset = self._valid(new_name, text, tools, model)
+        with _write_lock:
+            if self._builtin_named(name) or self._builtin_named(new_name):
+                raise BuiltinPreset("built-in presets cannot be changed; save a copy under a new name")
+            stored = self._read_custom()
+            index = next((i for i, p in enumerate(stored) if p["name"] == name), None)
+            if index is None:
+                raise PresetNotFound(f"no custom preset named {name!r}")
+            if any(i != index and p["name"].casefold() == new_name.casefold() for i, p in enumerate(stored)):
+                raise PresetExists(f"a preset named {new_name!r} already exists")
+            stored[index] = _stored(preset)
+            self._write(stored)
+        return preset
+
+    def delete(self, name: str) -> None:
+        with _write_lock:
+            if self._builtin_named(name):
+                raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be deleted")
+            stored = self._read_custom()
+            kept = [p for p in stored if p["name"] != name]
+            if len(kept) == len(stored):
+                raise PresetNotFound(f"no custom preset named {name!r}")
+            self._write(kept)
+
+    # Internals
+
+    def _known(self, names: Iterable[str]) -> tuple[str, ...]:
+        known = set(self.tool_names)
+        return tuple(n for n in dict.fromkeys(names) if n in known)
+
+    def _builtin_named(self, name: str) -> bool:
+        return any(p.stem.casefold() == name.casefold() for p in self.builtin_dir.glob("*.txt"))
+
+    def _valid(self, name: str, text: str, tools: Iterable[str], model: str | None) -> Preset:
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name != name.strip():
+            raise InvalidPreset("a preset name is 1-64 letters, digits, spaces, '_' or '-', "
+                                "not starting or ending with a space")
+        if not text.strip():
+            raise InvalidPreset("the preset text is empty")
+        if len(text) > TEXT_MAX_CHARS:
+            raise InvalidPreset(f"the preset text is over {TEXT_MAX_CHARS} characters")
+        names = tuple(dict.fromkeys(tools))
+        unknown = [n for n in names if n not in set(self.tool_names)]
+        if unknown:
+            raise InvalidPreset(f"no such tool: {', '.join(unknown)} (known: {', '.join(self.tool_names) or 'none'})")
+        model = model.strip() if model else None
+        if model and len(model) > MODEL_MAX_CHARS:
+            raise InvalidPreset(f"the model id is over {MODEL_MAX_CHARS} characters")
+        return Preset(name, text.strip(), names, model or None, False)
+
+    def _read_custom(self) -> list[dict]:
+        try:
+            data = orjson.loads(read_small_file(self.path))
+        except FileNotFoundError:
+            return []
+        except (OSError, orjson.JSONDecodeError) as exc:
+            log.error("damaged %s: %s", self.path, exc)
+            raise DamagedPresets(f"{CUSTOM_FILE} in the data directory is damaged ({exc}); it was left untouched") \
+                from None
+        presets = data.get("presets") if isinstance(data, dict) else None
+        if not isinstance(presets, list):
+            log.error("damaged %s: no presets list", self.path)
+            raise DamagedPresets(f"{CUSTOM_FILE} in the data directory is damaged (no presets list); "
+                                 "it was left untouched")
+        return [p for p in presets if isinstance(p, dict) and isinstance(p.get("name"), str)
+                and isinstance(p.get("text"), str) and isinstance(p.get("tools"), list)]
+
+    def _write(self, presets: list[dict]) -> None:
+        payload = {"schema_version": SCHEMA_VERSION, "presets": presets}
+        atomic_write(self.path, orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+
+
+def _stored(preset: Preset) -> dict:
+    entry = {"name": preset.name, "text": preset.text, "tools": list(preset.tools)}
+    if preset.model:
+        entry["model"] = preset.model
+    return entry
+
+
+def _read_sidecar(path: Path) -> dict[str, dict]:
+    try:
+        data = orjson.loads(read_small_file(path))
+    except FileNotFoundError:
+        return {}
+    return {k: v for k, v in data.items() if not k.startswith("_") and isinstance(v, dict)}

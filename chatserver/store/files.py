@@ -1,0 +1,989 @@
+"""Persistence: one JSON file per conversation, `memory.md`, `models.json`, all under DATA_DIR.
+
+Every write goes to a temporary file (never ending in `.json`), is fsynced and renamed over the
+old one, so a crash mid-write leaves the previous version or the new one, never a torn file.
+A file that does not parse is reported, skipped and never overwritten.
+
+A long conversation is not rewritten whole every turn: once its file holds SEAL_AFTER messages,
+the oldest SEGMENT_MESSAGES are sealed into a file of their own under `<id>.earlier/`, written
+once and never again, and the conversation file lists those files in `earlier_messages` (the
+whole history is their messages, in order, then `messages`). The `archive` of folded messages,
+which also only grows at its end, is sealed the same way into `earlier_archive`. A change that
+reaches into sealed messages (a compression, a cut) writes them back and seals afresh.
+Segments are written before the conversation file that names them, so a crash leaves at worst
+an unreferenced segment, never a reference to a missing one.
+
+Reads are served from memory when the file has not changed on disk, so a long conversation is
+not re-parsed every turn. Callers mutate conversations only inside `update()`, whose change
+runs without awaiting and is therefore atomic within the event loop. Conversation writes then
+run in a worker thread (a long history is megabytes to fsync, and the event loop is serving
+every other stream meanwhile), one conversation's writes landing in the order they were made.
+
+The store is a protocol (`Store`, and `OwnerStore`, one person's view of it) so that the
+pipeline and the routes never see files: `FileStore` is the embedded implementation for one
+process. Every conversation belongs to an owner; an owner's view answers NotFound for another
+owner's id exactly as for an unknown one. Turn locks live here too, so that "a turn is running on
+this conversation" is a fact of the store, not of one process's memory.
+
+A streaming reply's checkpoints go beside the conversation file: the reply alone, written every
+second or so without fsync, so a checkpoint costs the size of the reply, never of the
+conversation. They are written in place, by turns into two slots (`<id>.checkpoint` and
+`<id>.checkpoint-b`), each framed with its sequence number, length and CRC: a write cut by a
+crash spoils only the slot it was writing, and the other still holds the checkpoint before it.
+Reading a conversation takes the newest whole checkpoint in; the next whole write takes it into
+the conversation file and removes both slots.
+
+A reply a turn left `status: "streaming"` (its checkpoint) while no turn holds the
+conversation's lock belongs to a process that died: every store reads it as `interrupted`
+(`recover_interrupted`), so nothing shows as streaming forever and a new turn can start at once.
+
+This module knows files and ids, not turns or wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Awaitable, Callable, Protocol
+
+import anyio
+import orjson
+
+from chatserver.upstream.failures import redact_json
+
+log = logging.getLogger("chat.storage")
+
+SCHEMA_VERSION = 4
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+# The owner of everything while the server serves one person (AUTH=none).
+LOCAL_OWNER = "local"
+OWNER_PATTERN = re.compile(r"[a-z0-9_.-]{1,64}")
+SEGMENT_MESSAGES = 500
+SEAL_AFTER = 2 * SEGMENT_MESSAGES
+SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
+# The lists that grow at their end, each with the field that names its sealed segments.
+SEALED_LISTS = {"messages": "earlier_messages", "archive": "earlier_archive"}
+
+
+class NotFound(Exception):
+    """No conversation with that id (or the id is not one the server could have made)."""
+
+
+class Damaged(Exception):
+    """The conversation file exists but cannot be used; it is left untouched."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path.name}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class TurnBusy(Exception):
+    """A turn already holds this conversation's lock."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached now (Redis down); nothing acknowledged is lost, try again later."""
+
+
+class LockLost(Exception):
+    """A write came from a turn whose lock is no longer the conversation's current one."""
+
+
+def new_id() -> str:
+    """A random, unguessable id that is safe as a file name."""
+    return secrets.token_urlsafe(16)
+
+
+def valid_id(value: str) -> bool:
+    return ID_PATTERN.fullmatch(value) is not None
+
+
+def now_iso() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old or the new content, never a mix, even
+    after a power cut: the data and the directory are fsynced before it returns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+_SMALL_FILES: dict[Path, tuple[tuple[int, int, int], bytes]] = {}
+
+
+def read_small_file(path: Path) -> bytes:
+    """A small settings file's bytes (models, presets), read again only once it changed on disk.
+
+    Every turn consults them, so this saves a turn the reads, not the freshness: a changed size or
+    modification time is seen at once. FileNotFoundError and OSError come through as from read_bytes.
+    """
+    stat = path.stat()
+    # The inode too: atomic_write replaces a file by renaming a new one over it, even within one mtime tick.
+    stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    known = _SMALL_FILES.get(path)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    data = path.read_bytes()
+    _SMALL_FILES[path] = (stamp, data)
+    return data
+
+
+def empty_totals() -> dict:
+    return {
+        "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "searches": 0, "fetches": 0,
+        "cost": 0.0, "cost_unreported": 0, "turns": 0,
+        "compression_cost": 0.0, "compression_calls": 0,
+        "title_cost": 0.0, "title_calls": 0,
+    }
+
+
+def _upgrade_unversioned(conv: dict) -> dict:
+    """Version 0 (hand-written or pre-release files): fill every field the server relies on."""
+    conv.setdefault("title", "New conversation")
+    conv.setdefault("created_at", now_iso())
+    conv.setdefault("updated_at", conv["created_at"])
+    conv.setdefault("settings", {})
+    conv.setdefault("summary", "")
+    conv.setdefault("messages", [])
+    conv.setdefault("last_prompt_tokens", None)
+    conv["totals"] = {**empty_totals(), **conv.get("totals", {})}
+    return conv
+
+
+def _allow_earlier_messages(conv: dict) -> dict:
+    """Version 2 may keep sealed messages in segment files; a version-1 file simply has none.
+
+    The version is bumped so that an older server refuses such a file instead of reading a
+    conversation that seems to start in the middle.
+    """
+    return conv
+
+
+def _add_owner(conv: dict) -> dict:
+    """Version 3 names the conversation's owner; everything older was the one local person's."""
+    conv.setdefault("owner", LOCAL_OWNER)
+    return conv
+
+
+def _add_branches(conv: dict) -> dict:
+    """Version 4 keeps branches (`parent_id`, `off_path`, `folds`: see branches.py), pin and archive
+    flags and where the title came from. An older file is one path: each message's parent is the
+    user/assistant message before it. Where a list starts after sealed segments that are not read
+    here, the parent stays implicit (that same rule, applied when it is read)."""
+    if not conv.get("earlier_messages") and not conv.get("earlier_archive"):
+        previous = None
+        for m in (conv.get("archive") or []) + (conv.get("messages") or []):
+            if isinstance(m, dict):
+                m.setdefault("parent_id", previous)
+                if m.get("role") in ("user", "assistant") and isinstance(m.get("id"), str):
+                    previous = m["id"]
+    conv.setdefault("pinned", False)
+    conv.setdefault("archived", False)
+    conv.setdefault("title_source", "auto")
+    if isinstance(conv.get("totals"), dict):
+        conv["totals"] = {**empty_totals(), **conv["totals"]}
+    return conv
+
+
+# Upgrades in order: MIGRATIONS[n] turns a version-n file into version n+1.
+MIGRATIONS: list[Callable[[dict], dict]] = [_upgrade_unversioned, _allow_earlier_messages, _add_owner, _add_branches]
+
+
+def upgrade(conv: dict) -> dict:
+    version = conv.get("schema_version", 0)
+    if not isinstance(version, int) or version > SCHEMA_VERSION or version < 0:
+        raise ValueError(f"unknown schema_version {version!r}")
+    for migrate in MIGRATIONS[version:]:
+        conv = migrate(conv)
+    conv["schema_version"] = SCHEMA_VERSION
+    return conv
+
+
+def check_shape(conv: dict) -> None:
+    """The fields every route relies on have the right types; ValueError names the first that does not."""
+    for name in ("id", "owner", "title", "model", "created_at", "updated_at", "summary"):
+        if not isinstance(conv.get(name), str):
+            raise ValueError(f"{name} is not a string")
+    if not isinstance(conv.get("settings"), dict) or not isinstance(conv.get("totals"), dict):
+        raise ValueError("settings or totals is not an object")
+    messages = conv.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError("messages is not a list")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError("messages holds an entry without a string id, role and content")
+
+
+def recover_interrupted(conv: dict) -> bool:
+    """Replies left `streaming` by a turn that no longer runs become `interrupted`; True if any did.
+
+    Call it only while no turn holds the conversation's lock: a checkpoint is then all that is
+    left of a reply whose process died (SIGKILL, power cut). Its usage is an estimate and says so,
+    and it is counted in the totals as the final save would have counted it.
+    """
+    found = False
+    totals = conv["totals"]
+    # A reply always follows the question it answers: only what comes after the last one is looked at.
+    for message in reversed(conv["messages"]):
+        if message.get("role") == "user":
+            break
+        if message.get("role") != "assistant" or message.get("status") != "streaming":
+            continue
+        found = True
+        message["status"] = "interrupted"
+        usage = message.get("usage")
+        if isinstance(usage, dict):
+            usage["estimated"] = True
+            for key in ("input_tokens", "output_tokens", "cached_tokens", "searches", "fetches"):
+                totals[key] = totals.get(key, 0) + (usage.get(key) or 0)
+            if usage.get("cost") is None:
+                totals["cost_unreported"] = totals.get("cost_unreported", 0) + 1
+            else:
+                totals["cost"] = round(totals.get("cost", 0) + usage["cost"], 10)
+        totals["turns"] = totals.get("turns", 0) + 1
+    return found
+
+
+def place_checkpoint(conv: dict, message: dict) -> bool:
+    """Put a streaming reply's latest state in `conv`: it replaces the copy with its id while that
+    is still `streaming`, or comes last; a settled reply is never touched. True if `conv` changed."""
+    messages = conv["messages"]
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("id") == message["id"]:
+            if messages[i].get("status") != "streaming":
+                return False
+            messages[i] = message
+            return True
+    messages.append(message)
+    return True
+
+
+CHECKPOINT_FRAME = re.compile(rb"checkpoint (\d{1,19}) (\d{1,12}) ([0-9a-f]{8})\n")
+
+
+def _checkpoint_frame(seq: int, data: bytes) -> bytes:
+    """The line in front of a checkpoint's bytes: what tells a whole checkpoint from a torn one."""
+    return b"checkpoint %d %d %08x\n" % (seq, len(data), zlib.crc32(data))
+
+
+def _checkpoint_in(raw: bytes) -> tuple[int, dict] | None:
+    """A checkpoint slot's sequence number and reply, or None when it holds no whole one (a torn or
+    damaged slot is advisory: never fatal). Bytes past the framed length are an older, longer
+    checkpoint's leftovers."""
+    frame = CHECKPOINT_FRAME.match(raw)
+    if frame is None:
+        return None
+    start, length = frame.end(), int(frame[2])
+    data = raw[start:start + length]
+    if len(data) != length or f"{zlib.crc32(data):08x}".encode() != frame[3]:
+        return None
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if (isinstance(message, dict) and isinstance(message.get("id"), str) and message.get("role") == "assistant"
+            and message.get("status") == "streaming" and isinstance(message.get("content"), str)):
+        return int(frame[1]), message
+    return None
+
+
+def checkpoints_beside(path: Path) -> list[tuple[int, dict]]:
+    """The whole checkpoints kept beside the conversation file `path` (sequence number and
+    reply), newest first."""
+    found = []
+    for slot in _checkpoint_paths(path):
+        try:
+            raw = slot.read_bytes()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("ignoring unreadable checkpoint %s: %s", slot.name, exc)
+            continue
+        if (checkpoint := _checkpoint_in(raw)) is None:
+            log.warning("ignoring a damaged or torn checkpoint %s", slot.name)
+            continue
+        found.append(checkpoint)
+    return sorted(found, key=lambda c: c[0], reverse=True)
+
+
+def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
+                    before_write: Callable[[Path, bytes], None] | None = None) -> tuple[int, int] | None:
+    """Put one snapshot on disk; the conversation file's new stamp (None: it was left as it was)."""
+    if snapshot.checkpoint:
+        slot = _checkpoint_paths(path)[snapshot.checkpoint % 2]
+        if before_write is not None:
+            before_write(slot, snapshot.data)
+        _overwrite_unsynced(slot, [_checkpoint_frame(snapshot.checkpoint, snapshot.data), snapshot.data])
+        return None
+    for name, data in snapshot.segments:
+        if before_write is not None:
+            before_write(earlier / name, data)
+        atomic_write(earlier / name, data)
+    if before_write is not None:
+        before_write(path, snapshot.data)
+    atomic_write(path, snapshot.data)
+    stat = path.stat()
+    stamp = stat.st_mtime_ns, stat.st_size
+    # The file now holds everything memory held, the reply's latest checkpoint included.
+    for slot in _checkpoint_paths(path):
+        slot.unlink(missing_ok=True)
+    if snapshot.keep is not None and earlier.is_dir():
+        for stale in earlier.glob("*.json"):
+            if stale.name not in snapshot.keep:
+                stale.unlink(missing_ok=True)
+    return stamp
+
+
+def _checkpoint_paths(path: Path) -> tuple[Path, Path]:
+    """The two checkpoint slots beside `<id>.json`: not `.json` names, so nothing lists them as conversations."""
+    return path.with_suffix(".checkpoint"), path.with_suffix(".checkpoint-b")
+
+
+def _overwrite_unsynced(path: Path, chunks: list[bytes]) -> None:
+    """Write `chunks` over the start of `path`, in place and without fsync: for checkpoint slots only.
+
+    Replacing the file instead (a new file renamed over the old, whose blocks are then freed) cost
+    ext4 about 600 µs of CPU per checkpoint, four hundred times a second with four hundred replies
+    streaming; writing over the same blocks costs a few µs. The frame's length tells where the
+    checkpoint ends, its CRC whether a crash cut the write short.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # a reply's text: private, like the conversation
+    try:
+        written = os.pwritev(fd, chunks, 0)
+    finally:
+        os.close(fd)
+    if written != sum(map(len, chunks)):
+        raise OSError(f"checkpoint {path.name} was written short ({written} bytes)")
+
+
+class CheckpointWriter:
+    """One thread that writes the snapshots which need not survive a power cut (checkpoints).
+
+    Through the shared thread pool each checkpoint cost the event loop a task, a pool hand-off
+    and a wake-up; with four hundred replies streaming that was a tenth of a millisecond of loop
+    time each, four hundred times a second, taken from the streams' own events. Here a checkpoint
+    costs a list append; the thread writes whatever has gathered and settles the whole batch
+    with one wake-up. It leaves when it has been idle a while, so an idle store holds no thread.
+    """
+
+    IDLE_SECONDS = 5.0
+
+    def __init__(self) -> None:
+        self._jobs: list[tuple] = []
+        self._ready = threading.Condition()
+        self._running = False
+
+    def submit(self, path: Path, earlier: Path, snapshot: Snapshot,
+               before_write: Callable[[Path, bytes], None] | None, skip: Callable[[], bool]) -> asyncio.Future:
+        """Queue one checkpoint write; the future settles on the submitting loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._ready:
+            self._jobs.append((loop, future, path, earlier, snapshot, before_write, skip))
+            if self._running:
+                self._ready.notify()
+            else:
+                self._running = True
+                threading.Thread(target=self._run, name="checkpoint-writer", daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                if not self._jobs:
+                    self._ready.wait(self.IDLE_SECONDS)
+                if not self._jobs:
+                    self._running = False
+                    return
+                batch, self._jobs = self._jobs, []
+            settled: dict[asyncio.AbstractEventLoop, list] = {}
+            for loop, future, path, earlier, snapshot, before_write, skip in batch:
+                try:
+                    outcome = None if skip() else _write_snapshot(path, earlier, snapshot, before_write)
+                except BaseException as exc:  # handed to the awaiting side, like the pool would
+                    outcome = exc
+                settled.setdefault(loop, []).append((future, outcome))
+            for loop, results in settled.items():
+                try:
+                    loop.call_soon_threadsafe(_settle, results)
+                except RuntimeError:
+                    pass  # that loop has closed: nobody is waiting any more
+
+
+def _settle(results: list[tuple[asyncio.Future, object]]) -> None:
+    for future, outcome in results:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
+@dataclass(slots=True)
+class Sealed:
+    """A list's sealed prefix: its segment files and the very message dicts they hold."""
+
+    segments: list[dict] = field(default_factory=list)  # [{"file", "count"}], oldest first
+    messages: list[dict] = field(default_factory=list)
+
+    def is_prefix_of(self, messages: list[dict]) -> bool:
+        """Stored messages are never edited in place, so identity tells whether any was removed or moved."""
+        return len(messages) >= len(self.messages) and all(a is b for a, b in zip(self.messages, messages))
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What one write puts on disk: new segment files first, then the conversation file."""
+
+    data: bytes
+    segments: list[tuple[str, bytes]]
+    keep: set[str] | None  # after a reseal, the only segment files still referenced
+    # Non-zero: `data` is one streaming reply, and this its checkpoint's sequence number (from 1;
+    # its parity picks the slot). Not fsynced (a power cut may lose a checkpoint, never the
+    # conversation) and written by the CheckpointWriter.
+    checkpoint: int = 0
+
+
+def _dumps(obj: object) -> bytes:
+    """The stored bytes: never holding a kept secret (the gateway key), whatever echoed it."""
+    # The newline from orjson, not `+ b"\n"`: concatenating copies a long conversation's megabytes again.
+    return redact_json(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
+
+
+Change = Callable[[dict], object]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnLock:
+    """A running turn's claim on one conversation; `token` tells this claim from any later one."""
+
+    owner: str
+    conv_id: str
+    token: str = field(default_factory=new_id)
+
+
+def summary_of(conv: dict) -> dict:
+    """One conversation as the list shows it (API.md's list entry)."""
+    messages = conv["messages"]
+    last = next((m["created_at"] for m in reversed(messages) if m["role"] != "notice"), None)
+    return {
+        "id": conv["id"], "title": conv["title"], "model": conv["model"], "updated_at": conv["updated_at"],
+        "message_count": sum(1 for m in messages if m["role"] != "notice"),
+        "last_message_at": last or conv["created_at"],
+        "pinned": bool(conv.get("pinned")), "archived": bool(conv.get("archived")),
+    }
+
+
+class OwnerStore(Protocol):
+    """One owner's conversations, memory and turn locks; another owner's ids are NotFound."""
+
+    owner: str
+
+    async def create(self, conv: dict) -> dict: ...
+
+    async def get(self, conv_id: str) -> dict:
+        """The stored conversation; do not mutate it outside `update()`."""
+
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        """Apply `change` to the latest version and store it; `lock`: refuse (LockLost) unless it is current."""
+
+    async def update_soon(self, conv_id: str, change: Change, *,
+                          lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
+        """`update` that answers once the change is visible to every reader, with its write still running."""
+
+    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+        """Store a streaming reply as it is so far (`place_checkpoint`); it need not survive a power cut.
+        LockLost once the turn has let the conversation go."""
+
+    async def list(self) -> list[dict]:
+        """Every readable conversation's list entry (`summary_of`)."""
+
+    async def delete(self, conv_id: str) -> None: ...
+
+    async def read_memory(self) -> str: ...
+
+    async def write_memory(self, text: str) -> None: ...
+
+    async def lock_turn(self, conv_id: str) -> TurnLock:
+        """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
+
+    lock_renew_seconds: float | None
+    """How often a running turn must renew its lock (`renew_turn`, also its heartbeat); None: locks never expire."""
+
+    async def renew_turn(self, lock: TurnLock) -> bool:
+        """Keep a claim alive; False when it is no longer current (it expired and another took it)."""
+
+    async def unlock_turn(self, lock: TurnLock) -> None:
+        """Release a claim (a no-op when it is no longer current)."""
+
+    async def turn_locked(self, conv_id: str) -> bool:
+        """Whether a turn holds the conversation; NotFound for another owner's id or an unknown one."""
+
+
+class Store(Protocol):
+    """Where everything lives; routes and turns see it only through `for_owner`."""
+
+    def for_owner(self, owner: str) -> OwnerStore: ...
+
+    async def read_custom_models(self) -> list[dict]: ...
+
+    async def write_custom_models(self, models: list[dict]) -> None: ...
+
+    async def flush(self) -> None:
+        """Wait until every acknowledged change is durable (at shutdown)."""
+
+
+class StoreObserver(Protocol):
+    def changed(self, owner: str, conv: dict) -> None: ...
+
+    def removed(self, owner: str, conv_id: str) -> None: ...
+
+
+def _check_owner(owner: str) -> str:
+    if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
+        raise ValueError(f"not an owner id: {owner!r}")
+    return owner
+
+
+class FileStore:
+    """Conversations as JSON files under one data directory, for one process.
+
+    `before_write`, when set, is called (in the worker thread) with the path and bytes of every
+    file a conversation write is about to replace: tests inject slow or failing disks through it.
+    """
+
+    def __init__(self, data_dir: Path, before_write: Callable[[Path, bytes], None] | None = None) -> None:
+        self.root = Path(data_dir)
+        self.conversations_dir = self.root / "conversations"
+        self.models_path = self.root / "models.json"
+        self.conversations_dir.mkdir(parents=True, exist_ok=True)
+        self.before_write = before_write
+        self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
+        # Writes queued or running per conversation; while any is, memory is ahead of the file.
+        self._pending: Counter[str] = Counter()
+        # The last queued write per conversation: the next one waits for it, so writes land in
+        # the order their changes were made.
+        self._tail: dict[str, asyncio.Future] = {}
+        # Ids are random and never reused, so a deleted one stays deleted for queued writes too.
+        self._deleted: set[str] = set()
+        self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
+        self._turn_locks: dict[str, TurnLock] = {}
+        self._checkpoints = CheckpointWriter()
+        # Conversations read with a reply from a checkpoint slot that no whole write has taken in.
+        self._unabsorbed: set[str] = set()
+        # The last checkpoint's sequence number per conversation. It only grows, so a slot that a
+        # failed whole write left behind is never taken for a newer checkpoint.
+        self._checkpoint_seq: dict[str, int] = {}
+        # Told of every change as it is made (e.g. the search index): `changed(owner, conv)`,
+        # `removed(owner, conv_id)`; called without awaiting, so they must only queue work.
+        self.observers: list[StoreObserver] = []
+
+    def for_owner(self, owner: str) -> FileOwnerStore:
+        return FileOwnerStore(self, _check_owner(owner))
+
+    def memory_path(self, owner: str) -> Path:
+        """The local person's memory stays where it always was; each account has its own folder."""
+        if owner == LOCAL_OWNER:
+            return self.root / "memory.md"
+        return self.root / "users" / _check_owner(owner) / "memory.md"
+
+    def _path(self, conv_id: str) -> Path:
+        if not valid_id(conv_id):
+            raise NotFound(conv_id)
+        return self.conversations_dir / f"{conv_id}.json"
+
+    def _earlier_dir(self, conv_id: str) -> Path:
+        return self.conversations_dir / f"{conv_id}.earlier"
+
+    async def create(self, conv: dict) -> dict:
+        conv = upgrade(dict(conv))
+        self._cache[conv["id"]] = ((0, 0), conv)
+        write = self._queue_write(conv["id"], self._snapshot(conv["id"], conv))
+        self._tell_changed(conv)
+        await asyncio.shield(write)
+        return conv
+
+    def _tell_changed(self, conv: dict) -> None:
+        for observer in self.observers:
+            observer.changed(conv["owner"], conv)
+
+    def load(self, conv_id: str) -> dict:
+        """The stored conversation, whoever owns it (NotFound, Damaged)."""
+        path = self._path(conv_id)
+        if conv_id in self._deleted:
+            raise NotFound(conv_id)
+        cached = self._cache.get(conv_id)
+        if cached and self._pending[conv_id]:
+            return cached[1]  # the file lags behind memory until the queued write lands
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            self._forget(conv_id)
+            raise NotFound(conv_id) from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if cached and cached[0] == stamp:
+            return cached[1]
+        try:
+            conv = orjson.loads(path.read_bytes())
+        except IsADirectoryError:
+            raise Damaged(path, "a directory, not a conversation file") from None
+        except OSError as exc:
+            raise Damaged(path, f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+        except orjson.JSONDecodeError as exc:
+            raise Damaged(path, f"damaged JSON ({exc})") from None
+        try:
+            if not isinstance(conv, dict):
+                raise ValueError("not a conversation (a JSON object is expected)")
+            if conv.get("id") != conv_id:
+                raise ValueError("not a conversation of this server (its id differs from its file name)")
+            conv = upgrade(conv)
+            sealed = {name: self._read_earlier(conv_id, conv, name) for name in SEALED_LISTS}
+            check_shape(conv)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise Damaged(path, str(exc) or type(exc).__name__) from None
+        self._take_checkpoint(conv_id, path, conv)
+        if conv_id not in self._turn_locks and recover_interrupted(conv):
+            # Read as recovered at once; the file catches up with the conversation's next write.
+            log.warning("conversation %s: a reply left streaming by a stopped process is now interrupted", conv_id)
+        self._cache[conv_id] = (stamp, conv)
+        self._sealed[conv_id] = sealed
+        return conv
+
+    def _take_checkpoint(self, conv_id: str, path: Path, conv: dict) -> None:
+        """A reply checkpointed after the file's last write joins the conversation read from it.
+
+        The newest whole checkpoint that still fits goes in: one of a reply the file already holds
+        settled (a crash between a whole write and its removal of the slots) is left out.
+        """
+        for _, message in checkpoints_beside(path):
+            if place_checkpoint(conv, message):
+                self._unabsorbed.add(conv_id)
+                return
+
+    def _read_earlier(self, conv_id: str, conv: dict, name: str) -> Sealed:
+        """Put a list's sealed items back in front of it; ValueError says which segment is unusable."""
+        segments = conv.pop(SEALED_LISTS[name], [])
+        if not isinstance(segments, list):
+            raise ValueError(f"{SEALED_LISTS[name]} is not a list")
+        sealed = Sealed()
+        for entry in segments:
+            file = entry.get("file") if isinstance(entry, dict) else None
+            if not isinstance(file, str) or not SEGMENT_NAME.fullmatch(file) or not isinstance(entry.get("count"), int):
+                raise ValueError(f"{SEALED_LISTS[name]} holds an entry without a file name and a count")
+            try:
+                messages = orjson.loads((self._earlier_dir(conv_id) / file).read_bytes())
+            except (OSError, orjson.JSONDecodeError) as exc:
+                raise ValueError(f"its earlier {name} in {file} cannot be read ({exc})") from None
+            if not isinstance(messages, list) or len(messages) != entry["count"]:
+                raise ValueError(f"its earlier {name} in {file} are not the {entry['count']} it names")
+            sealed.segments.append({"file": file, "count": entry["count"]})
+            sealed.messages.extend(messages)
+        if sealed.messages:
+            rest = conv.get(name, [])
+            if not isinstance(rest, list):
+                raise ValueError(f"{name} is not a list")
+            conv[name] = sealed.messages + rest
+        return sealed
+
+    def _snapshot(self, conv_id: str, conv: dict) -> Snapshot:
+        """The bytes of the next write; seals the oldest items of a list once enough have gathered."""
+        self._unabsorbed.discard(conv_id)  # a whole write takes in whatever the checkpoint slots held
+        before = self._sealed.get(conv_id, {})
+        head = {key: value for key, value in conv.items() if key not in SEALED_LISTS}
+        new_segments: list[tuple[str, bytes]] = []
+        resealed = False
+        state = {}
+        for name, field_name in SEALED_LISTS.items():
+            items = conv.get(name)
+            sealed = before.get(name) or Sealed()
+            if not isinstance(items, list) or not sealed.is_prefix_of(items):
+                resealed = resealed or bool(sealed.segments)
+                sealed = Sealed()
+            if isinstance(items, list):
+                while len(items) - len(sealed.messages) >= SEAL_AFTER:
+                    chunk = items[len(sealed.messages): len(sealed.messages) + SEGMENT_MESSAGES]
+                    file = f"{new_id()}.json"
+                    new_segments.append((file, _dumps(chunk)))
+                    sealed.segments.append({"file": file, "count": len(chunk)})
+                    sealed.messages.extend(chunk)
+                if sealed.segments:
+                    head[field_name] = sealed.segments
+                head[name] = items[len(sealed.messages):] if sealed.messages else items
+            elif name in conv:
+                head[name] = items
+            state[name] = sealed
+        self._sealed[conv_id] = state
+        keep = {e["file"] for sealed in state.values() for e in sealed.segments} if resealed else None
+        return Snapshot(_dumps(head), new_segments, keep)
+
+    def apply(self, conv_id: str, conv: dict, change: Change) -> asyncio.Future:
+        """Apply `change` to `conv` now (no await: atomic within the loop) and queue its write."""
+        try:
+            change(conv)
+            conv["updated_at"] = now_iso()
+            snapshot = self._snapshot(conv_id, conv)
+        except BaseException:
+            self._forget(conv_id)
+            raise
+        write = self._queue_write(conv_id, snapshot)
+        self._tell_changed(conv)
+        return write
+
+    def checkpoint(self, conv_id: str, conv: dict, message: dict) -> asyncio.Future | None:
+        """Put a streaming reply in `conv` and queue writing it alone to a checkpoint slot.
+
+        The conversation file is left as it is, so a checkpoint costs the size of the reply, not of
+        the conversation; the next whole write takes the reply in and removes the checkpoint slots.
+        None when the reply has settled meanwhile (nothing to write).
+        """
+        if conv_id in self._unabsorbed:
+            # Memory holds a reply read from a checkpoint slot (a crash's): the file takes it in
+            # first, or this checkpoint would replace the only copy of it.
+            return self.apply(conv_id, conv, lambda c: place_checkpoint(c, message))
+        if not place_checkpoint(conv, message):
+            return None
+        conv["updated_at"] = now_iso()
+        seq = self._checkpoint_seq[conv_id] = self._checkpoint_seq.get(conv_id, 0) + 1
+        write = self._queue_write(conv_id, Snapshot(_dumps(message), [], None, checkpoint=seq))
+        self._tell_changed(conv)
+        return write
+
+    def _forget(self, conv_id: str) -> None:
+        """Memory is ahead of a file that will not catch up: read the file again next time."""
+        self._cache.pop(conv_id, None)
+        self._sealed.pop(conv_id, None)
+
+    def _queue_write(self, conv_id: str, snapshot: Snapshot) -> asyncio.Future:
+        """Write one snapshot in a worker thread, after the conversation's earlier writes."""
+        path = self._path(conv_id)
+        previous = self._tail.get(conv_id)
+        self._pending[conv_id] += 1
+        if previous is None and snapshot.checkpoint:
+            # A checkpoint leaves the conversation file as it was, so there is no new stamp to remember.
+            write = self._checkpoints.submit(path, self._earlier_dir(conv_id), snapshot, self.before_write,
+                                             lambda: conv_id in self._deleted)
+        else:
+            write = asyncio.ensure_future(self._write_after(previous, conv_id, path, snapshot))
+        self._tail[conv_id] = write
+        write.add_done_callback(lambda done: self._written(conv_id, done))
+        return write
+
+    async def _write_after(self, previous: asyncio.Future | None, conv_id: str, path: Path,
+                           snapshot: Snapshot) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+            if previous.cancelled() or previous.exception() is not None:
+                # This snapshot may name segments that write never put on disk.
+                raise OSError(f"an earlier write of conversation {conv_id} failed, so this one was not made")
+        if conv_id in self._deleted:
+            return
+        stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot,
+                                               self.before_write)
+        if stamp is not None and conv_id in self._cache:
+            # The file now holds what memory holds: reads may trust the cache while it keeps this stamp.
+            self._cache[conv_id] = (stamp, self._cache[conv_id][1])
+
+    def _written(self, conv_id: str, write: asyncio.Future) -> None:
+        if write.cancelled() or write.exception() is not None:
+            self._forget(conv_id)
+            log.error("writing conversation %s failed: %s", conv_id,
+                      "cancelled" if write.cancelled() else write.exception())
+        self._pending[conv_id] -= 1
+        if not self._pending[conv_id]:
+            del self._pending[conv_id]
+        if self._tail.get(conv_id) is write:
+            del self._tail[conv_id]
+
+    async def flush(self) -> None:
+        """Wait until every queued write has landed (at shutdown, so none is cut off)."""
+        while self._tail:
+            await asyncio.wait(list(self._tail.values()))
+
+    async def remove(self, conv_id: str, owner: str) -> None:
+        """Remove a conversation; a damaged file is refused (Damaged) like any other write."""
+        path = self._path(conv_id)
+        for observer in self.observers:
+            observer.removed(owner, conv_id)
+        self._deleted.add(conv_id)
+        self._forget(conv_id)
+        self._turn_locks.pop(conv_id, None)
+        self._checkpoint_seq.pop(conv_id, None)
+        with anyio.CancelScope(shield=True):
+            if (tail := self._tail.get(conv_id)) is not None:
+                await asyncio.wait([tail])  # a write already running lands first, then the file goes
+            path.unlink(missing_ok=True)
+            for slot in _checkpoint_paths(path):
+                slot.unlink(missing_ok=True)
+            shutil.rmtree(self._earlier_dir(conv_id), ignore_errors=True)
+
+    async def expire(self, days: float, now: datetime | None = None) -> list[str]:
+        """CONVERSATION_TTL_DAYS: delete the conversations nobody touched for `days`; their ids."""
+        cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=days)
+        removed = []
+        for conv in self.load_all():
+            try:
+                updated = datetime.fromisoformat(conv["updated_at"])
+            except ValueError:
+                continue  # an unreadable date is not a reason to delete anything
+            if updated.tzinfo is None:
+                updated = updated.replace(tzinfo=timezone.utc)
+            if updated < cutoff and conv["id"] not in self._turn_locks:
+                await self.remove(conv["id"], conv["owner"])
+                removed.append(conv["id"])
+        return removed
+
+    def load_all(self) -> list[dict]:
+        """Every readable conversation, whoever owns it; damaged or foreign files are logged and skipped."""
+        out = []
+        for path in self.conversations_dir.glob("*.json"):
+            conv_id = path.stem
+            if not valid_id(conv_id):
+                log.warning("skipping %s: not a conversation file name", path.name)
+                continue
+            try:
+                out.append(self.load(conv_id))
+            except Damaged as exc:
+                log.warning("skipping damaged conversation file %s: %s", path.name, exc.reason)
+            except NotFound:
+                continue
+        return out
+
+    async def read_custom_models(self) -> list[dict]:
+        try:
+            data = orjson.loads(read_small_file(self.models_path))
+        except FileNotFoundError:
+            return []
+        except (OSError, orjson.JSONDecodeError) as exc:
+            log.warning("ignoring damaged %s: %s", self.models_path.name, exc)
+            return []
+        if not isinstance(data, list):
+            log.warning("ignoring damaged %s: not a JSON list", self.models_path.name)
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
+
+    async def write_custom_models(self, models: list[dict]) -> None:
+        atomic_write(self.models_path, _dumps(models))
+
+
+class FileOwnerStore:
+    """One owner's view of a FileStore: every read and write checks the owner first."""
+
+    lock_renew_seconds = None  # one process: a lock lives exactly as long as its turn
+
+    def __init__(self, files: FileStore, owner: str) -> None:
+        self.files = files
+        self.owner = owner
+
+    def _mine(self, conv_id: str) -> dict:
+        conv = self.files.load(conv_id)
+        if conv["owner"] != self.owner:
+            raise NotFound(conv_id)  # indistinguishable from an id that does not exist
+        return conv
+
+    async def create(self, conv: dict) -> dict:
+        return await self.files.create({**conv, "owner": self.owner})
+
+    async def get(self, conv_id: str) -> dict:
+        return self._mine(conv_id)
+
+    def _check_lock(self, conv_id: str, lock: TurnLock | None) -> None:
+        if lock is not None and self.files._turn_locks.get(conv_id) is not lock:
+            raise LockLost(conv_id)
+
+    async def update_soon(self, conv_id: str, change: Change, *,
+                          lock: TurnLock | None = None) -> tuple[dict, asyncio.Future]:
+        conv = self._mine(conv_id)
+        self._check_lock(conv_id, lock)
+        return conv, self.files.apply(conv_id, conv, change)
+
+    async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        # A caller cancelled meanwhile (Stop) does not cancel the write: it still lands, in order.
+        conv, written = await self.update_soon(conv_id, change, lock=lock)
+        await asyncio.shield(written)
+        return conv
+
+    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+        conv = self._mine(conv_id)
+        self._check_lock(conv_id, lock)
+        if (written := self.files.checkpoint(conv_id, conv, message)) is not None:
+            await asyncio.shield(written)
+
+    async def list(self) -> list[dict]:
+        return [summary_of(c) for c in self.files.load_all() if c["owner"] == self.owner]
+
+    async def delete(self, conv_id: str) -> None:
+        self._mine(conv_id)
+        await self.files.remove(conv_id, self.owner)
+
+    async def read_memory(self) -> str:
+        """The memory file; bytes that are not UTF-8 are shown replaced (and logged), never fatal."""
+        path = self.files.memory_path(self.owner)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            log.warning("ignoring unreadable %s: %s", path.name, exc)
+            return ""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            log.warning("%s is not valid UTF-8 (%s); showing it with replacement characters", path.name, exc)
+            return raw.decode("utf-8", "replace")
+
+    async def write_memory(self, text: str) -> None:
+        atomic_write(self.files.memory_path(self.owner), text.encode("utf-8"))
+
+    async def lock_turn(self, conv_id: str) -> TurnLock:
+        self._mine(conv_id)
+        if conv_id in self.files._turn_locks:
+            raise TurnBusy(conv_id)
+        lock = TurnLock(self.owner, conv_id)
+        self.files._turn_locks[conv_id] = lock
+        return lock
+
+    async def renew_turn(self, lock: TurnLock) -> bool:
+        return self.files._turn_locks.get(lock.conv_id) is lock
+
+    async def unlock_turn(self, lock: TurnLock) -> None:
+        if self.files._turn_locks.get(lock.conv_id) is lock:
+            del self.files._turn_locks[lock.conv_id]
+            # A reply its turn could not save (its final write failed) must not read as streaming.
+            if (cached := self.files._cache.get(lock.conv_id)) is not None:
+                recover_interrupted(cached[1])
+
+    async def turn_locked(self, conv_id: str) -> bool:
+        self._mine(conv_id)
+        return conv_id in self.files._turn_locks

@@ -1,0 +1,121 @@
+"""`python server.py migrate --from files --to redis` (or back): copy every conversation (each
+owner's), every owner's memory and the custom models from one store to the other.
+
+The copy is whole and repeatable: a conversation already in the target is replaced by the source's,
+never duplicated, and the source is left as it was. Conversations the target has and the source
+does not are left alone. A damaged conversation file is reported and skipped, as the server does.
+Accounts and sessions belong to the auth module and are not copied here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from chatserver.store.files import LOCAL_OWNER, OWNER_PATTERN, FileStore, Store
+from chatserver.store.redis import RedisStore, StoreUnavailable
+
+log = logging.getLogger("chat.migrate")
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+async def conversations(store: Store) -> AsyncIterator[dict]:
+    """Every readable conversation in `store`, whoever owns it."""
+    if isinstance(store, FileStore):
+        for conv in store.load_all():
+            yield conv
+    else:
+        async for conv_id in store.conversation_ids():
+            yield await store.load(conv_id)
+
+
+async def owners(store: Store) -> set[str]:
+    """Everyone who may have a memory in `store`."""
+    if isinstance(store, FileStore):
+        users = store.root / "users"
+        found = {p.name for p in users.iterdir() if p.is_dir() and OWNER_PATTERN.fullmatch(p.name)} \
+            if users.is_dir() else set()
+        return found | {LOCAL_OWNER}
+    return await store.owners()
+
+
+async def migrate(source: Store, target: Store) -> dict[str, int]:
+    """Copy everything from `source` to `target`; how many of each kind were copied."""
+    copied = {"conversations": 0, "memories": 0, "custom_models": 0}
+    seen = set()
+    async for conv in conversations(source):
+        await target.for_owner(conv["owner"]).create(conv)
+        seen.add(conv["owner"])
+        copied["conversations"] += 1
+    for owner in sorted(seen | await owners(source)):
+        text = await source.for_owner(owner).read_memory()
+        if text:  # an empty memory is the same as none: do not create files for it
+            await target.for_owner(owner).write_memory(text)
+            copied["memories"] += 1
+    models = await source.read_custom_models()
+    if models:
+        await target.write_custom_models(models)
+        copied["custom_models"] = len(models)
+    await target.flush()
+    return copied
+
+
+def open_store(kind: str, args: argparse.Namespace) -> Store:
+    if kind == "files":
+        return FileStore(args.data_dir)
+    return RedisStore(args.redis_url, prefix=args.redis_prefix)
+
+
+async def run(args: argparse.Namespace) -> dict[str, int]:
+    opened: dict[str, Store] = {}
+    try:
+        # Redis first, and checked before the file store's directory is made: a failed run leaves no trace.
+        for kind in ("redis", "files"):
+            opened[kind] = store = open_store(kind, args)
+            if isinstance(store, RedisStore):
+                await store.ping()
+        return await migrate(opened[args.source], opened[args.target])
+    finally:
+        for store in opened.values():
+            if isinstance(store, RedisStore):
+                await store.close()
+
+
+def default_data_dir() -> Path:
+    from chatserver.config import get_settings
+
+    return get_settings().data_dir
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="server.py migrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from", dest="source", choices=("files", "redis"), required=True)
+    parser.add_argument("--to", dest="target", choices=("files", "redis"), required=True)
+    parser.add_argument("--data-dir", type=Path, help="the file store's directory (default: DATA_DIR)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+                        help="the Redis store (default: REDIS_URL)")
+    parser.add_argument("--redis-prefix", default="chat:", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.source == args.target:
+        parser.error("--from and --to name the same store")
+    if args.data_dir is None:
+        args.data_dir = default_data_dir()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        copied = asyncio.run(run(args))
+    except StoreUnavailable as exc:
+        print(f"migrate: {exc}", file=sys.stderr)
+        return 1
+    print(f"copied from {args.source} to {args.target}: " + ", ".join(f"{n} {k.replace('_', ' ')}"
+                                                                    for k, n in copied.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

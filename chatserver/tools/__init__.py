@@ -1,0 +1,1 @@
+"""The tools a model may call: the registry and its safety wrapper, and web_fetch."""

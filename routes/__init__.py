@@ -1,1 +1,0 @@
-"""The HTTP routes, one APIRouter per resource (docs/API.md); `server.create_app` includes them all."""
