@@ -5,13 +5,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LITELLM := bench/.venv-litellm
 
-.PHONY: run test bench browser-deps compat-llamacpp redis-deps
+.PHONY: run test lint bench browser-deps compat-llamacpp redis-deps lock
 
 run: $(VENV)/.installed
 	$(PY) server.py
 
-test: $(VENV)/.installed-dev browser-deps redis-deps
-	$(PY) -m pytest
+test: $(VENV)/.installed-dev browser-deps redis-deps lint
+	$(PY) -m pytest -n 2 --dist loadscope
+
+# Lint and types, part of `make test`: ruff over everything, mypy over the package's typed core.
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# The locks, from pyproject.toml's ranges: run after changing a dependency there.
+LOCK := .venv-lock/bin/pip-compile -q --generate-hashes --strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links
+lock:
+	test -x .venv-lock/bin/pip-compile || ($(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install -q pip-tools==7.7.0)
+	$(LOCK) -o requirements.txt pyproject.toml
+	$(LOCK) --extra dev -o requirements-dev.txt pyproject.toml
 
 bench: $(VENV)/.installed-bench $(LITELLM)/.installed redis-deps
 	$(PY) bench/run.py
@@ -29,6 +41,7 @@ $(LITELLM)/.installed:
 		&& $(LITELLM)/bin/pip install -q --disable-pip-version-check 'litellm[proxy]==1.106.12' >$(LITELLM)/install.log 2>&1 \
 		&& touch $@) || echo "LiteLLM did not install; see $(LITELLM)/install.log"
 
+# Both install from a lock with hashes (pip checks every file it installs against them).
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
