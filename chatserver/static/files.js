@@ -300,7 +300,7 @@ export class Files {
     this.libraryToggle.disabled = !conv;
   }
 
-  /** The conversation's `library` setting; a server without it says so and the toggle goes away. */
+  /** The conversation's `library` setting. */
   async setLibrary(on) {
     const conv = this.app.conversation();
     if (!conv) return;
@@ -311,12 +311,7 @@ export class Files {
         : "This conversation's tools no longer search your library.";
     } catch (err) {
       this.libraryToggle.checked = !on;
-      if (err.status === 422 && /library/.test(err.message)) {
-        $("library-setting").hidden = true;
-        $("files-status").textContent = "This server cannot yet let a conversation search the library.";
-      } else {
-        $("files-status").textContent = err.message;
-      }
+      $("files-status").textContent = err.message;
     }
   }
 }

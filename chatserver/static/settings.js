@@ -29,8 +29,6 @@ export class SettingsPanel {
     };
     this.memory = $("memory-editor");
     this.tools = $("set-tools-list");
-    // False once the server refused `settings.tools` (an older server): the checklist goes away.
-    this.toolsSupported = true;
     this.presetEditor = new PresetEditor({
       ...app,
       presetsChanged: async () => {
@@ -142,13 +140,11 @@ export class SettingsPanel {
     renderToolChecks(this.tools, allowed, this.app.tools(), checked);
     $("set-tools-none").hidden = allowed.length > 0;
     $("set-tools").hidden = !this.app.conversation()?.settings?.tools;
-    for (const box of this.tools.querySelectorAll("input")) box.disabled = !this.toolsSupported;
-    $("set-tools-note").hidden = this.toolsSupported;
   }
 
   /** The tool choice when it differs from the server's, else null. */
   changedTools(current) {
-    if ($("set-tools").hidden || !this.toolsSupported) return null;
+    if ($("set-tools").hidden) return null;
     const next = checkedTools(this.tools);
     const now = current.tools ?? [];
     const same = next.length === now.length && next.every((t) => now.includes(t));
@@ -253,21 +249,12 @@ export class SettingsPanel {
     }
   }
 
-  /**
-   * The tool choice goes on its own, so a server that does not know it refuses nothing else; such a
-   * server's refusal leaves the checklist read-only, saying why, and is not an error of the save.
-   */
+  /** The tool choice goes on its own, so the status can say when only the tools changed. */
   async saveTools(id, tools, done) {
-    try {
-      const updated = await api.patchConversation(id, { settings: { tools } });
-      this.app.conversationChanged(updated);
-      this.fillConversation();
-      if (!done.length) done.push("this conversation's tools");
-    } catch (err) {
-      if (err.status !== 422 || !/tools/.test(err.message) || !/[Ee]xtra/.test(err.message)) throw err;
-      this.toolsSupported = false;
-      this.fillConversation();
-    }
+    const updated = await api.patchConversation(id, { settings: { tools } });
+    this.app.conversationChanged(updated);
+    this.fillConversation();
+    if (!done.length) done.push("this conversation's tools");
   }
 
   renderLineup() {

@@ -75,3 +75,25 @@ def test_the_page_makes_no_requests_while_idle_or_while_a_turn_runs_elsewhere(pa
     turn.join(20)
     expect(listed(page, elsewhere["id"]).get_by_test_id("conversation-running")).to_have_count(0)
     assert requests == [], requests
+
+
+def test_a_change_told_by_another_tab_updates_its_row_in_place(page, browser, server, sim):
+    sim.enqueue(Script([steps.Text("One.")]))
+    exchange(page, "a first thread")
+    first = conversation_id(page)
+    second = new_conversation(page)
+    sim.enqueue(Script([steps.Text("Two.")]))
+    exchange(page, "a second thread")
+    other_tab = open_page(browser, f"{server.base_url}/#{first}")
+    live(other_tab)
+    expect(listed(other_tab, second)).to_have_count(1)
+    # Each row's element is marked: a list drawn again would hold new elements without the mark.
+    rows = "ids => ids.map((id) => document.querySelector(`#conversation-list li[data-id='${id}']`))"
+    other_tab.evaluate(f"ids => ({rows})(ids).forEach((li, i) => {{ li.mark = ids[i]; }})", [first, second])
+
+    server.api("PATCH", f"/api/conversations/{second}", json={"title": "Renamed elsewhere"}).raise_for_status()
+    expect(listed(other_tab, second).locator(".conv-name")).to_have_text("Renamed elsewhere")
+    marks = other_tab.evaluate(f"ids => ({rows})(ids).map((li) => li.mark ?? null)", [first, second])
+    assert marks == [first, second]
+    assert other_tab.js_errors == [], other_tab.js_errors
+    other_tab.context.close()

@@ -1,0 +1,198 @@
+// The transcript of the open conversation: drawn from the store's copy (keeping open what the
+// person opened), each message's own controls (Edit, the branch switcher, Regenerate on the last
+// reply), the greeting of an empty conversation, and following the bottom as replies grow.
+
+import { api } from "./api.js";
+import { branchSwitcher } from "./branches.js";
+import { files } from "./composer.js";
+import { clearFailure, failureOffersTheWayBack, renderFailure } from "./failures.js";
+import { $, showError } from "./page.js";
+import { isReasoning, setOpen, store } from "./store.js";
+import { regenerate, runTurn } from "./turn.js";
+import { button, node } from "./ui.js";
+import { copyText, renderArchive, renderMessage, renderUser } from "./views.js";
+
+const transcript = $("transcript");
+const messages = $("messages");
+
+export function renderTranscript() {
+  const stick = nearBottom();
+  const conv = store.conv;
+  const shown = conv?.messages || [];
+  const options = { reasoning: isReasoning, userExtra: (m) => files.chipsFor(m) };
+  const notices = [...(conv?.archive || []), ...shown].filter((m) => m.role === "notice");
+  const archive = renderArchive(conv?.archive, { ...options, dropped: notices.some((m) => m.compression?.failed) });
+  // Re-reading the conversation keeps open what the person opened: folded history, a long message
+  // shown whole, a reply's trail (the re-read after a reply often lands just after such a click).
+  if (archive && messages.querySelector("[data-test=folded]")?.open) archive.open = true;
+  const opened = openedMessages();
+  const live = store.turn && store.turn.convId === conv?.id ? store.turn.view : null;
+  const drawn = shown.filter((m) => !live || m.id !== live.el.dataset.id)
+    .map((m) => reopen(decorate(m, renderMessage(m, options)), opened));
+  messages.replaceChildren(...(archive ? [archive] : []), ...drawn, ...(live ? [live.el] : []));
+  renderGreeting();
+  renderRegenerate();
+  renderFailure();
+  scrollToBottom(stick);
+}
+
+/** Ids of the shown messages the person opened: long ones shown whole, replies with their trail open. */
+function openedMessages() {
+  // A streaming reply's trail is open because it streams, not because the person opened it.
+  const ids = (selector) => new Set([...messages.querySelectorAll(selector)].map((e) => e.closest("[data-id]"))
+    .filter((m) => m && m.dataset.status !== "streaming").map((m) => m.dataset.id));
+  return { whole: ids("[data-test=show-more][aria-expanded=true]"), trails: ids("details[data-test=activity][open]") };
+}
+
+/** Open in a freshly drawn message what was open in the one it replaces. */
+function reopen(message, opened) {
+  const id = message.dataset.id;
+  if (opened.whole.has(id)) message.querySelector(":scope > [data-test=show-more]")?.click();
+  const trail = message.querySelector("details[data-test=activity]");
+  if (trail && opened.trails.has(id)) trail.open = true;
+  return message;
+}
+
+/** Add a message's own controls: the branch switcher, and Edit on what the person typed. */
+function decorate(m, message) {
+  if (m.role === "notice") return message;
+  const busy = !!store.turn || !!store.conv?.streaming;
+  const switcher = branchSwitcher(m.id, store.conv?.branches, {
+    disabled: busy, onSwitch: (sibling) => switchBranch(sibling).catch(showError),
+  });
+  let actions = message.querySelector(".message-actions");
+  if (m.role === "user") {
+    actions = node("div", "message-actions");
+    // Drawn by CSS (no text of its own), so the message reads as exactly what was typed.
+    const edit = button("", { className: "small edit-message", label: "Edit and resend", onClick: () => startEdit(m, message) });
+    edit.dataset.test = "edit-message";
+    edit.title = "Change this message and send it again (the old version is kept)";
+    edit.disabled = busy;
+    actions.append(edit);
+    message.append(actions);
+  }
+  if (switcher) actions.prepend(switcher);
+  return message;
+}
+
+/** Make the path through `messageId` the current one (the server answers the Conversation). */
+export async function switchBranch(messageId) {
+  if (store.turn || !store.conv) return;
+  const conv = await api.branch(store.conv.id, messageId);
+  if (store.conv?.id !== conv.id) return;
+  clearFailure();
+  setOpen(conv);
+  renderTranscript();
+}
+
+/** Edit a sent message in place; sending it starts a new branch beside the old one. */
+function startEdit(m, article) {
+  if (store.turn || article.querySelector(".edit-box")) return;
+  const box = node("div", "edit-box");
+  const input = document.createElement("textarea");
+  input.className = "edit-input";
+  input.dataset.test = "edit-input";
+  input.setAttribute("aria-label", "Edit the message");
+  input.value = m.content || "";
+  input.rows = Math.min(12, Math.max(2, input.value.split("\n").length));
+  const cancel = button("Cancel", { className: "small" });
+  cancel.dataset.test = "edit-cancel";
+  const save = button("Send", { className: "primary small" });
+  save.dataset.test = "edit-send";
+  const row = node("div", "edit-actions");
+  row.append(cancel, save);
+  box.append(input, row);
+  const hidden = [...article.children];
+  for (const child of hidden) child.hidden = true;
+  article.append(box);
+  const close = () => {
+    box.remove();
+    for (const child of hidden) child.hidden = false;
+  };
+  cancel.addEventListener("click", close);
+  const submit = () => {
+    const text = input.value;
+    if (!text.trim() || store.turn) return;
+    resendEdited(m, text).catch(showError);
+  };
+  save.addEventListener("click", submit);
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") {
+      e.stopPropagation();
+      close();
+    } else if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
+      e.preventDefault();
+      submit();
+    }
+  });
+  input.focus();
+}
+
+/** Send an edited message as a sibling of `m`: the transcript from `m` on gives way to the new turn. */
+async function resendEdited(m, text) {
+  if (store.turn || !store.conv) return;
+  clearFailure();
+  const from = messages.querySelector(`[data-id="${CSS.escape(m.id)}"]`);
+  for (let n = from; n; ) {
+    const next = n.nextElementSibling;
+    n.remove();
+    n = next;
+  }
+  const userEl = renderUser({ content: text });
+  messages.append(userEl);
+  await runTurn("messages", { content: text, parent_id: m.parent_id ?? null }, { userEl, text });
+}
+
+/** An empty conversation greets with what this is and a few prompts to start from. */
+export function renderGreeting() {
+  const conv = store.conv;
+  $("greeting").hidden = !!(!conv || store.turn || conv.messages?.length || conv.archive?.length);
+}
+
+/**
+ * Only the last message, if it is a finished assistant reply, offers Regenerate; not when the
+ * failure line under it already offers a Retry that would do the same.
+ */
+export function renderRegenerate() {
+  for (const old of messages.querySelectorAll("[data-test=regenerate]")) old.remove();
+  if (store.turn || failureOffersTheWayBack()) return;
+  const last = [...messages.children].filter((m) => m.dataset.role && m.dataset.role !== "notice").at(-1);
+  if (!last || last.dataset.role !== "assistant") return;
+  const regen = button("↻ Regenerate", { onClick: () => regenerate() });
+  regen.dataset.test = "regenerate";
+  regen.title = "Answer the last message again with the model selected above";
+  last.querySelector(".message-actions").append(regen);
+}
+
+export function nearBottom() {
+  return transcript.scrollHeight - transcript.scrollTop - transcript.clientHeight < 80;
+}
+
+export function scrollToBottom(force = false) {
+  if (force || nearBottom()) transcript.scrollTop = transcript.scrollHeight;
+}
+
+/** A message element already in the transcript, by id (null when it is not drawn). */
+export const drawnMessage = (id) => messages.querySelector(`[data-id="${CSS.escape(id)}"]`);
+
+/** Append to the transcript (a message being sent, a reply arriving), or insert before `before`. */
+export function place(el, before = null) {
+  messages.insertBefore(el, before);
+}
+
+export const lastDrawn = () => [...messages.children].at(-1);
+
+async function copyCode(copy) {
+  await copyText(copy.closest(".code-block").querySelector("code").textContent);
+  copy.textContent = "Copied";
+  setTimeout(() => {
+    copy.textContent = "Copy";
+  }, 1500);
+}
+
+export function wireTranscript() {
+  messages.addEventListener("click", (e) => {
+    const copy = e.target.closest("button.copy");
+    if (copy) copyCode(copy).catch(showError);
+  });
+}
