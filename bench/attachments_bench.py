@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import attachments as att  # noqa: E402
+from chatserver.attachments import store as att  # noqa: E402
 
 STREAM_REPLY = {"words": 200, "delay": 0.05}  # 20 tokens/s for ten seconds, the upload lands inside
 

@@ -29,10 +29,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import context  # noqa: E402
-
 from chatserver.app import create_app  # noqa: E402
 from chatserver.config import Settings  # noqa: E402
+from chatserver.turns import context  # noqa: E402
 from gateway_sim.simulator import GatewaySimulator, Script, Usage, steps  # noqa: E402
 
 TURNS = 60

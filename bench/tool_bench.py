@@ -25,9 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import tools  # noqa: E402
-
 from chatserver.config import Settings  # noqa: E402
+from chatserver.tools import registry as tools  # noqa: E402
 from gateway_sim.simulator import GatewaySimulator, Script, steps  # noqa: E402
 from support import serve  # noqa: E402
 

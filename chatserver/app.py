@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import anyio
 import httpx
@@ -37,18 +38,23 @@ from chatserver.turns.pipeline import Turns
 from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import keep_secret
 
+if TYPE_CHECKING:
+    from chatserver.store.redis import RedisStore
+
 log = logging.getLogger("chat.server")
 
 
 def make_store(settings: Settings) -> Store:
     """The store STORE names: files under DATA_DIR (one process), or Redis (any number)."""
-    if settings.store == "redis":
-        from chatserver.store.redis import RedisStore
+    return make_redis_store(settings) if settings.store == "redis" else FileStore(settings.data_dir)
 
-        ttl = settings.conversation_ttl_days * 86_400 if settings.conversation_ttl_days else None
-        return RedisStore(settings.redis_url, ttl_seconds=ttl, lock_ttl_ms=int(settings.turn_lock_seconds * 1000),
-                          heartbeat_seconds=settings.heartbeat_seconds)
-    return FileStore(settings.data_dir)
+
+def make_redis_store(settings: Settings) -> RedisStore:
+    from chatserver.store.redis import RedisStore
+
+    ttl = settings.conversation_ttl_days * 86_400 if settings.conversation_ttl_days else None
+    return RedisStore(settings.redis_url, ttl_seconds=ttl, lock_ttl_ms=int(settings.turn_lock_seconds * 1000),
+                      heartbeat_seconds=settings.heartbeat_seconds)
 
 
 EXPIRY_INTERVAL = 3600  # seconds between passes over the file store for CONVERSATION_TTL_DAYS
@@ -74,16 +80,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         active = settings or get_settings()
         await asyncio.to_thread(context.load_tokenizer)
-        store = make_store(active)
+        # Several processes share a Redis store, each with its own DATA_DIR; files serve one process.
+        shared: RedisStore | None = None
+        files: FileStore | None = None
+        store: Store
+        if active.store == "redis":
+            store = shared = make_redis_store(active)
+        else:
+            store = files = FileStore(active.data_dir)
         expiry = None
-        if isinstance(store, FileStore):
-            app.state.search = await exchange_routes.open_index(store)
+        await store.ping()
+        if files is not None:
+            app.state.search = await exchange_routes.open_index(files)
             if active.conversation_ttl_days:
                 app.state.expiry_pass = asyncio.get_running_loop().create_future()
-                expiry = asyncio.create_task(expire_untouched(store, active.conversation_ttl_days,
+                expiry = asyncio.create_task(expire_untouched(files, active.conversation_ttl_days,
                                                               app.state.expiry_pass))
-        else:
-            await store.ping()  # Redis expires conversations itself (a TTL on their keys)
+        else:  # Redis expires conversations itself (a TTL on their keys)
             app.state.search = await exchange_routes.open_synced_index(active.data_dir)
         attachments = Attachments(active.data_dir / "attachments", Limits(
             max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
@@ -109,11 +122,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             turns = Turns(active, Gateway(client, base_url, api_key), attachments)
             hub, events = None, PersonEvents()
-            if not isinstance(store, FileStore):
+            if shared is not None:
                 from chatserver.turns.redis_hub import RedisTurnHub
 
-                events = RedisPersonEvents(store.redis, store.prefix)  # pages hear of every process's changes
-                hub = RedisTurnHub(turns, store, events)  # Stop and re-attach reach turns running in other processes
+                events = RedisPersonEvents(shared.redis, shared.prefix)  # pages hear of every process's changes
+                hub = RedisTurnHub(turns, shared, events)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub, events=events)
             # With passwords, Accounts makes its argon2 dummy hash (a while, 64 MiB) off the event loop.
             app.state.accounts = await asyncio.to_thread(Accounts, active) if active.auth == "password" \
@@ -130,8 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await store.flush()
                 attachments.close()
                 await app.state.search.close()
-                if not isinstance(store, FileStore):
-                    await store.close()
+                await store.close()
                 if demo is not None:
                     await demo.stop_async()
 

@@ -198,7 +198,7 @@ class Settings(BaseSettings):
     def _split_proxies(cls, value: object) -> object:
         if isinstance(value, str):
             value = [p.strip() for p in value.split(",") if p.strip()]
-        for entry in value or []:
+        for entry in value if isinstance(value, list) else []:
             try:
                 ipaddress.ip_network(entry, strict=False)
             except ValueError:
@@ -213,7 +213,7 @@ class Settings(BaseSettings):
                 "so that only people with the token can use this server (or bind to 127.0.0.1), "
                 "or switch on accounts with AUTH=password."
             )
-        if self.auth == "none" and not self.is_loopback and (problem := weak_token(self.access_token)):
+        if self.auth == "none" and not self.is_loopback and (problem := weak_token(self.access_token or "")):
             raise ValueError(f"HOST={self.host} is reachable from other machines and ACCESS_TOKEN {problem}.")
         if self.auth == "header" and not self.trusted_proxies:
             raise ValueError("AUTH=header needs TRUSTED_PROXIES: the addresses of the proxy allowed to name the user.")

@@ -26,7 +26,7 @@ from chatserver.attachments.store import Attachments, conversation_scope, librar
 from chatserver.config import Settings, get_settings
 from chatserver.conversations.presets import Presets
 from chatserver.search.index import SearchIndex
-from chatserver.store.files import FileStore, StoreUnavailable
+from chatserver.store.files import StoreUnavailable
 
 
 def main(argv: list[str]) -> int:
@@ -109,17 +109,13 @@ async def remove_data(settings: Settings, owner: str) -> int:
             await mine.delete(conv_id)
             await attachments.delete_scope(conversation_scope(conv_id))
         await attachments.delete_scope(library_scope(owner))
-        if isinstance(store, FileStore):
-            store.memory_path(owner).unlink(missing_ok=True)
-        else:
-            await mine.write_memory("")
+        await mine.forget_memory()
         Presets(settings.data_dir, (), owner=owner).path.unlink(missing_ok=True)
         for name in (INDEX_FILE, SYNCED_INDEX_FILE):
             await _forget_in_index(settings.data_dir / name, owner, conv_ids)
     finally:
         attachments.close()
-        if not isinstance(store, FileStore):
-            await store.close()
+        await store.close()
     if owner != LOCAL_OWNER:  # an account's own folder (the local person's files are the ones above)
         shutil.rmtree(Path(settings.data_dir) / "users" / owner, ignore_errors=True)
     return len(conv_ids)

@@ -56,7 +56,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import anyio
 import orjson
@@ -428,6 +428,7 @@ class CheckpointWriter:
                 batch, self._jobs = self._jobs, []
             settled: dict[asyncio.AbstractEventLoop, list] = {}
             for loop, future, path, earlier, snapshot, before_write, skip in batch:
+                outcome: object
                 try:
                     outcome = None if skip() else _write_snapshot(path, earlier, snapshot, before_write)
                 except BaseException as exc:  # handed to the awaiting side, like the pool would
@@ -535,11 +536,15 @@ class OwnerStore(Protocol):
 
     async def write_memory(self, text: str) -> None: ...
 
+    async def forget_memory(self) -> None:
+        """Remove the memory altogether (the person is being removed)."""
+
     async def lock_turn(self, conv_id: str) -> TurnLock:
         """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
 
-    lock_renew_seconds: float | None
-    """How often a running turn must renew its lock (`renew_turn`, also its heartbeat); None: locks never expire."""
+    @property
+    def lock_renew_seconds(self) -> float | None:
+        """How often a running turn must renew its lock (`renew_turn`, also its heartbeat); None: locks never expire."""
 
     async def renew_turn(self, lock: TurnLock) -> bool:
         """Keep a claim alive; False when it is no longer current (it expired and another took it)."""
@@ -562,6 +567,19 @@ class Store(Protocol):
 
     async def flush(self) -> None:
         """Wait until every acknowledged change is durable (at shutdown)."""
+
+    async def ping(self) -> None:
+        """Raise StoreUnavailable unless the store answers (a readiness check at startup)."""
+
+    async def close(self) -> None:
+        """Let go of connections and workers; after `flush`, at shutdown."""
+
+    def every_conversation(self) -> AsyncIterator[dict]:
+        """Every readable conversation, whoever owns it (for tools such as the migration, not requests)."""
+        ...
+
+    async def owners(self) -> set[str]:
+        """Everyone who may have conversations or a memory here."""
 
 
 class StoreObserver(Protocol):
@@ -863,6 +881,22 @@ class FileStore:
                 removed.append(conv["id"])
         return removed
 
+    async def ping(self) -> None:
+        """The data directory is there (made at start): nothing to wait for."""
+
+    async def close(self) -> None:
+        """Nothing is held open beyond what `flush` settles."""
+
+    async def every_conversation(self) -> AsyncIterator[dict]:
+        for conv in await asyncio.to_thread(self.load_all):
+            yield conv
+
+    async def owners(self) -> set[str]:
+        users = self.root / "users"
+        found = {p.name for p in users.iterdir() if p.is_dir() and OWNER_PATTERN.fullmatch(p.name)} \
+            if users.is_dir() else set()
+        return found | {LOCAL_OWNER}
+
     def load_all(self) -> list[dict]:
         """Every readable conversation, whoever owns it; damaged or foreign files are logged and skipped."""
         out = []
@@ -965,6 +999,9 @@ class FileOwnerStore:
 
     async def write_memory(self, text: str) -> None:
         atomic_write(self.files.memory_path(self.owner), text.encode("utf-8"))
+
+    async def forget_memory(self) -> None:
+        self.files.memory_path(self.owner).unlink(missing_ok=True)
 
     async def lock_turn(self, conv_id: str) -> TurnLock:
         self._mine(conv_id)

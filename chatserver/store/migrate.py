@@ -14,10 +14,9 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from chatserver.store.files import LOCAL_OWNER, OWNER_PATTERN, FileStore, Store
+from chatserver.store.files import FileStore, Store
 from chatserver.store.redis import RedisStore, StoreUnavailable
 
 log = logging.getLogger("chat.migrate")
@@ -25,35 +24,15 @@ log = logging.getLogger("chat.migrate")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-async def conversations(store: Store) -> AsyncIterator[dict]:
-    """Every readable conversation in `store`, whoever owns it."""
-    if isinstance(store, FileStore):
-        for conv in store.load_all():
-            yield conv
-    else:
-        async for conv_id in store.conversation_ids():
-            yield await store.load(conv_id)
-
-
-async def owners(store: Store) -> set[str]:
-    """Everyone who may have a memory in `store`."""
-    if isinstance(store, FileStore):
-        users = store.root / "users"
-        found = {p.name for p in users.iterdir() if p.is_dir() and OWNER_PATTERN.fullmatch(p.name)} \
-            if users.is_dir() else set()
-        return found | {LOCAL_OWNER}
-    return await store.owners()
-
-
 async def migrate(source: Store, target: Store) -> dict[str, int]:
     """Copy everything from `source` to `target`; how many of each kind were copied."""
     copied = {"conversations": 0, "memories": 0, "custom_models": 0}
     seen = set()
-    async for conv in conversations(source):
+    async for conv in source.every_conversation():
         await target.for_owner(conv["owner"]).create(conv)
         seen.add(conv["owner"])
         copied["conversations"] += 1
-    for owner in sorted(seen | await owners(source)):
+    for owner in sorted(seen | await source.owners()):
         text = await source.for_owner(owner).read_memory()
         if text:  # an empty memory is the same as none: do not create files for it
             await target.for_owner(owner).write_memory(text)
@@ -78,13 +57,11 @@ async def run(args: argparse.Namespace) -> dict[str, int]:
         # Redis first, and checked before the file store's directory is made: a failed run leaves no trace.
         for kind in ("redis", "files"):
             opened[kind] = store = open_store(kind, args)
-            if isinstance(store, RedisStore):
-                await store.ping()
+            await store.ping()
         return await migrate(opened[args.source], opened[args.target])
     finally:
         for store in opened.values():
-            if isinstance(store, RedisStore):
-                await store.close()
+            await store.close()
 
 
 def default_data_dir() -> Path:

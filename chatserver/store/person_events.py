@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -197,7 +197,7 @@ class AnnouncingStore:
         return created
 
     async def update_soon(self, conv_id: str, change: Change, *,
-                          lock: TurnLock | None = None) -> tuple[dict, asyncio.Future]:
+                          lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
         conv, written = await self.inner.update_soon(conv_id, change, lock=lock)
         self._tell("conversation", summary_of(conv))
         return conv, written

@@ -461,6 +461,13 @@ class RedisStore:
                 if valid_id(conv_id):
                     yield conv_id
 
+    async def every_conversation(self) -> AsyncIterator[dict]:
+        async for conv_id in self.conversation_ids():
+            try:
+                yield await self.load(conv_id)
+            except NotFound:
+                continue  # deleted since the scan saw it
+
     async def owners(self) -> set[str]:
         """Every owner with a conversation index or a memory (for the migration)."""
         found = set()
@@ -859,6 +866,10 @@ class RedisOwnerStore:
     async def write_memory(self, text: str) -> None:
         with self.store.reachable():
             await self.store.redis.set(self.store.memory_key(self.owner), text.encode("utf-8"))
+
+    async def forget_memory(self) -> None:
+        with self.store.reachable():
+            await self.store.redis.delete(self.store.memory_key(self.owner))
 
     async def lock_turn(self, conv_id: str) -> FencedTurnLock:
         if not valid_id(conv_id):

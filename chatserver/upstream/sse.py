@@ -50,7 +50,10 @@ class SSEDecoder:
 
     def _line(self, line: str) -> SSERecord | None:
         if not line:
-            return self._dispatch() if self._data else self._reset()
+            if self._data:
+                return self._dispatch()
+            self._reset()
+            return None
         if line.startswith(":"):
             return None
         name, _, value = line.partition(":")
