@@ -10,8 +10,11 @@ LITELLM := bench/.venv-litellm
 run: $(VENV)/.installed
 	$(PY) server.py
 
+# Two workers, each module's tests on one of them (they share its server). The browser tests run in
+# a pytest of their own: Playwright's sync API holds an event loop that asyncio tests cannot share.
 test: $(VENV)/.installed-dev browser-deps redis-deps lint
-	$(PY) -m pytest -n 2 --dist loadscope
+	$(PY) -m pytest -n 2 --dist loadscope -m "not browser"
+	$(PY) -m pytest -n 2 --dist loadscope -m browser
 
 # Lint and types, part of `make test`: ruff over everything, mypy over the package's typed core.
 lint: $(VENV)/.installed-dev

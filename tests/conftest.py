@@ -20,9 +20,26 @@ os.environ["AUTO_TITLE"] = "false"
 pytest_plugins = ["redis_support"]
 
 
+# What in a test module says it starts a process of its own (a uvicorn server, a CLI, a writer).
+STARTS_A_PROCESS = ("LiveServer(", "subprocess.", "Server(")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Browser tests run last: Playwright's sync API keeps an event loop running in the main
-    thread for the session, and an asyncio test after it cannot start its own."""
+    """Each test gets its kind's marker (`-m unit`, `-m "not browser"`, ...), and browser tests run
+    last: Playwright's sync API keeps an event loop running in the main thread for the session, and
+    an asyncio test after it cannot start its own."""
+    sources: dict[str, str] = {}
+    for item in items:
+        source = sources.setdefault(str(item.path), item.path.read_text(encoding="utf-8"))
+        kinds = []
+        if "e2e" in item.path.parts:
+            kinds.append("browser")
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            kinds.append("redis")
+        if any(sign in source for sign in STARTS_A_PROCESS):
+            kinds.append("live")
+        for kind in kinds or ["unit"]:
+            item.add_marker(kind)
     items.sort(key=lambda item: "e2e" in item.path.parts)
 
 

@@ -30,7 +30,7 @@ from chatserver.api.sse import TurnResponse
 from chatserver.attachments.store import AttachmentNotFound, conversation_scope
 from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches, pii
-from chatserver.conversations.presets import PresetNotFound, Presets
+from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.store.files import OwnerStore, TurnBusy, new_id, now_iso
 from chatserver.tools import registry as tools
 from chatserver.turns import context
@@ -53,7 +53,7 @@ class Conflict(Exception):
 
 def default_settings(settings: Settings, preset_name: str | None, owner: str) -> dict:
     """A new conversation's settings: its preset's persona and tools, web tools off unless configured on."""
-    presets = Presets(settings.data_dir, tools.registry.names(), owner=owner)
+    presets = presets_for(settings.data_dir, owner)
     try:
         preset = presets.get(preset_name or "default")
     except PresetNotFound:
@@ -190,7 +190,7 @@ async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str 
     """Why `patch.tools` cannot be set: a tool that does not exist, or one the person's preset does not allow."""
     preset_name = patch.preset or (await store.get(conv_id))["settings"].get("preset") or "default"
     try:
-        allowed = Presets(state.settings.data_dir, tools.registry.names(), owner=store.owner).get(preset_name).tools
+        allowed = presets_for(state.settings.data_dir, store.owner).get(preset_name).tools
     except PresetNotFound:
         return f"the preset {preset_name!r} does not exist"
     unknown = [n for n in patch.tools if n not in tools.registry]

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatserver.api.deps import OwnerDep
-from chatserver.conversations.presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets
+from chatserver.conversations.presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets, presets_for
 from chatserver.tools import registry as tools
 
 router = APIRouter(tags=["presets"])
@@ -33,7 +33,7 @@ class PresetIn(BaseModel):
 
 async def get_presets(request: Request, owner: OwnerDep) -> Presets:
     """This person's presets (the built-in ones and their own), checked against the registered tools."""
-    return Presets(request.app.state.chat.settings.data_dir, tools.registry.names(), owner=owner)
+    return presets_for(request.app.state.chat.settings.data_dir, owner)
 
 
 PresetsDep = Annotated[Presets, Depends(get_presets)]

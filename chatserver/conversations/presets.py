@@ -25,6 +25,7 @@ import orjson
 
 from chatserver.config import PACKAGE
 from chatserver.store.files import LOCAL_OWNER, atomic_write, read_small_file
+from chatserver.tools import registry as tools
 
 log = logging.getLogger("chat.presets")
 
@@ -79,6 +80,12 @@ class Preset:
         if self.model:
             entry["model"] = self.model
         return entry
+
+
+def presets_for(data_dir: Path, owner: str) -> Presets:
+    """This person's presets (the built-in ones and their own), checked against the registered tools:
+    the one way every route and turn reads them."""
+    return Presets(data_dir, tools.registry.names(), owner=owner)
 
 
 class Presets:

@@ -49,7 +49,10 @@ export const pickedModel = () => el.picker.value;
 
 subscribe((change) => {
   if (change.type === "models") renderPicker();
-  else if (change.type === "open") renderHeader();
+  else if (change.type === "open") {
+    renderHeader();
+    settings.conversationOpened();
+  }
   else if (change.type === "conversation" && change.id === store.conv?.id && shownInHeader(change.change)) renderHeader();
 });
 

@@ -100,8 +100,14 @@ export class SettingsPanel {
     if (focus === "gateway") $("gateway-section").focus();
   }
 
+  /** A conversation opened while the dialog is up (a reload opens it late): show its settings. */
+  conversationOpened() {
+    if (this.dialog.open && this.shownId !== this.app.conversation()?.id) this.fillConversation();
+  }
+
   fillConversation() {
     const conv = this.app.conversation();
+    this.shownId = conv?.id;
     const s = conv?.settings || {};
     const presets = this.app.presets();
     const preset = this.fields.preset;

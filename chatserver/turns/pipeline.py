@@ -28,7 +28,7 @@ import anyio
 from chatserver.attachments.store import Attachments, attachment_context, attachment_listing
 from chatserver.config import ModelInfo, Settings
 from chatserver.conversations import branches, pii
-from chatserver.conversations.presets import PresetNotFound, Presets
+from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.store.files import (
     Change,
     NotFound,
@@ -617,8 +617,7 @@ class Turns:
         web = web_tools.enabled(conv["settings"], self.settings)
         preset_name = conv["settings"].get("preset") or "default"
         try:
-            allowed = Presets(self.settings.data_dir, tools.registry.names(),
-                              owner=turn.store.owner).get(preset_name).tools
+            allowed = presets_for(self.settings.data_dir, turn.store.owner).get(preset_name).tools
         except PresetNotFound:
             allowed = ()
         selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,

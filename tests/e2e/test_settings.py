@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 from playwright.sync_api import expect
 
@@ -273,3 +274,24 @@ def test_settings_show_the_persons_files_and_conversations_against_their_quotas(
     line = dialog.get_by_test_id("quota")
     expect(line).to_have_text(re.compile(
         rf"^Files: [0-9.]+ (bytes|KB|MB) of 1 GB; conversations: {quota['conversations']:,} of 10,000$"))
+
+
+def test_settings_opened_before_the_conversation_arrives_fill_in_when_it_does(page, server):
+    """After a reload the dialog can open before the conversation's answer: it shows that
+    conversation's settings once it arrives, instead of staying empty and disabled."""
+    conv_id = conversation_id(page)
+    patched = server.api("PATCH", f"/api/conversations/{conv_id}", json={"settings": {"system_prompt": "Speak like a sailor."}})
+    assert patched.status_code == 200, patched.text
+    held = []
+    page.route(f"**/api/conversations/{conv_id}", lambda route: held.append(route))
+    page.reload()
+    dialog = open_settings(page)
+    prompt = dialog.get_by_label("System prompt")
+    expect(prompt).to_be_disabled()
+    deadline = time.monotonic() + 10
+    while not held:  # Playwright hands over the held request while the test waits in one of its calls
+        assert time.monotonic() < deadline, "the page did not ask for the conversation"
+        page.wait_for_timeout(50)
+    held[0].continue_()
+    expect(prompt).to_have_value("Speak like a sailor.")
+    expect(prompt).to_be_enabled()
