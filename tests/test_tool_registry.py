@@ -14,7 +14,8 @@ from pydantic import Field
 
 from chatserver.config import Settings
 from chatserver.tools import registry as tools
-from chatserver.tools.registry import Call, Registry, ToolContext, ToolError, ToolOutput, registry, select_tools, tool_context
+from chatserver.tools.registry import Registry, ToolContext, ToolError, ToolOutput, registry, select_tools, tool_context
+from chatserver.turns.events import Call
 from pageserver import PageServer, hanging
 
 

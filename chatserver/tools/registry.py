@@ -38,6 +38,7 @@ from chatserver.attachments.extraction import Extractor
 from chatserver.config import Settings
 from chatserver.tools import webfetch
 from chatserver.turns import context as prompt_context
+from chatserver.turns.events import Call
 
 log = logging.getLogger("chat.tools")
 
@@ -65,15 +66,6 @@ class ToolOutput:
     text: str
     summary: str | None = None
     citations: tuple[dict, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One tool call as the model made it; `arguments` is the raw JSON text (or an already parsed dict)."""
-
-    id: str
-    name: str
-    arguments: str | dict
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,16 @@ from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
+class Call:
+    """One tool call as the model made it; `arguments` is the raw JSON text (or an already parsed
+    dict). Wire-neutral: both decoders make it, the tool registry runs it."""
+
+    id: str
+    name: str
+    arguments: str | dict
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
     type: Literal["delta"] = "delta"
@@ -88,7 +98,7 @@ class TurnWarning:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallsRequested:
-    """The response ended asking for client tool calls (`tools.Call`s, in the model's order).
+    """The response ended asking for client tool calls (`Call`s, in the model's order).
 
     `blocks` (Messages only) is the assistant's content exactly as received, server tool blocks
     included, for the request that carries the results.

@@ -215,6 +215,17 @@ def failed(failure: UpstreamError, *, partial: bool, draft: str | None = None) -
     return TurnFailed(failure.kind, failure.message, failure.retryable, failure.retry_after, partial, draft)
 
 
+def web_tools_enabled(conv_settings: dict, settings: Settings) -> list[str]:
+    """The gateway's web tools this conversation uses: switched on (the default) and with uses left."""
+    limits = {"web_search": settings.search_max_uses, "web_fetch": settings.fetch_max_uses}
+    return [name for name, limit in limits.items() if conv_settings.get(name, True) and limit > 0]
+
+
+def web_tool_instructions(conv_settings: dict, settings: Settings) -> str | None:
+    """The budget sentence for the system blocks, only when a web tool turn will be sent."""
+    return conv_settings.get("tool_instructions") if web_tools_enabled(conv_settings, settings) else None
+
+
 class Turns:
     """Runs turns against one gateway."""
 
@@ -501,7 +512,7 @@ class Turns:
                 files = self._attachment_listing(turn, conv)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
-                                              tool_instructions=web_tools.instructions(conv["settings"], self.settings),
+                                              tool_instructions=web_tool_instructions(conv["settings"], self.settings),
                                               attachments=files)
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
@@ -570,7 +581,7 @@ class Turns:
         True when this turn should be sent again that way (once: a second refusal is a real one).
         """
         if not failure.malformed_request or turn.reply.has_output or turn.model in self.plain_text_models \
-                or web_tools.enabled(conv["settings"], self.settings):
+                or web_tools_enabled(conv["settings"], self.settings):
             return False
         self.plain_text_models.add(turn.model)
         log.warning("%s refused the layered system prompt; sending it plain text from now on (no cache markers)",
@@ -614,7 +625,7 @@ class Turns:
     async def _selection(self, turn: Turn, conv: dict, has_files: bool) -> tools.Selection:
         """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
         runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
-        web = web_tools.enabled(conv["settings"], self.settings)
+        web = web_tools_enabled(conv["settings"], self.settings)
         preset_name = conv["settings"].get("preset") or "default"
         try:
             allowed = presets_for(self.settings.data_dir, turn.store.owner).get(preset_name).tools
@@ -670,7 +681,7 @@ class Turns:
 
     def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
         """Without web tools the budget sentence would promise searches the model cannot make."""
-        sentence = (web_tools.instructions(conv["settings"], self.settings) or "").strip()
+        sentence = (web_tool_instructions(conv["settings"], self.settings) or "").strip()
         if not sentence:
             return prompt
         return context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)

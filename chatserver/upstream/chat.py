@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 
-from chatserver.tools.registry import Call
-from chatserver.turns.events import Event, Finished, ReasoningDelta, TextDelta, ToolCallsRequested, UsageReport
+from chatserver.turns.events import Call, Event, Finished, ReasoningDelta, TextDelta, ToolCallsRequested, UsageReport
 from chatserver.upstream.failures import UpstreamError, classify_finish, classify_stream_error
 from chatserver.upstream.sse import SSERecord
 

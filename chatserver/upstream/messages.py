@@ -35,8 +35,8 @@ import json
 from collections.abc import AsyncIterator
 
 from chatserver.config import Settings
-from chatserver.tools.registry import Call
 from chatserver.turns.events import (
+    Call,
     CitationFound,
     Event,
     FetchDone,
@@ -74,17 +74,6 @@ class ToolsRejected(Exception):
     @property
     def warning(self) -> TurnWarning:
         return dropped_warning(self.names, self.failure)
-
-
-def enabled(conv_settings: dict, settings: Settings) -> list[str]:
-    """The server tools this conversation uses: switched on (the default) and with uses left."""
-    limits = {"web_search": settings.search_max_uses, "web_fetch": settings.fetch_max_uses}
-    return [name for name, limit in limits.items() if conv_settings.get(name, True) and limit > 0]
-
-
-def instructions(conv_settings: dict, settings: Settings) -> str | None:
-    """The budget sentence for the system blocks, only when a tool turn will be sent."""
-    return conv_settings.get("tool_instructions") if enabled(conv_settings, settings) else None
 
 
 def declarations(names: list[str], settings: Settings) -> list[dict]:
