@@ -91,7 +91,7 @@ def test_trickling_sockets_beyond_the_cap_do_not_lock_out_healthz_and_are_closed
 def test_open_file_soft_limit_is_raised_to_the_hard_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(256, hard)
-    code = ("import resource, serving; raised = serving.raise_open_file_limit(); "
+    code = ("import resource; from chatserver import serving; raised = serving.raise_open_file_limit(); "
             "print(raised, *resource.getrlimit(resource.RLIMIT_NOFILE))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
