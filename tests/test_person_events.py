@@ -147,7 +147,7 @@ def test_the_events_need_a_signed_in_person(people_server):
     assert httpx.get(f"{people_server.base_url}/api/events", timeout=5).status_code == 401
 
 
-def test_a_change_made_on_one_server_reaches_a_page_connected_to_the_other(tmp_path, sim, redis_server):  # noqa: F811
+def test_a_change_made_on_one_server_reaches_a_page_connected_to_the_other(tmp_path, sim, redis_server):
     env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis", "AUTH": "password",
            "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
     servers = []
@@ -183,7 +183,7 @@ def test_a_change_made_on_one_server_reaches_a_page_connected_to_the_other(tmp_p
             server.stop()
 
 
-def test_a_turn_whose_server_died_ends_for_the_pages_on_the_other(tmp_path, sim, redis_server):  # noqa: F811
+def test_a_turn_whose_server_died_ends_for_the_pages_on_the_other(tmp_path, sim, redis_server):
     env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
            "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
     for name in ("a", "b"):
