@@ -34,6 +34,7 @@ from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.store.files import OwnerStore, TurnBusy, new_id, now_iso
 from chatserver.tools import registry as tools
 from chatserver.turns import context
+from chatserver.turns.claim import Claim
 from chatserver.turns.pipeline import LEAF, NEW_TITLE, ModelNotInLineup, NotAnAnswerPoint, NothingToAnswer, Turn, not_in_lineup
 
 router = APIRouter(prefix="/api/conversations", tags=["conversations"])
@@ -254,15 +255,13 @@ async def regenerate(conv_id: str, state: StateDep, store: OwnerStoreDep, body: 
 @router.post("/{conv_id}/branch", response_model=Conversation)
 async def switch_branch(conv_id: str, body: BranchSwitch, state: StateDep, store: OwnerStoreDep) -> Response:
     """Make the path through `message_id` current, following below it the path last viewed there."""
-    lock = await store.lock_turn(conv_id)  # TurnBusy (409) while a turn runs
-    try:
+    async with await Claim.take(store, conv_id) as claim:  # TurnBusy (409) while a turn runs
         conv = await store.get(conv_id)
         if not any(m["id"] == body.message_id and branches.is_node(m)
                    for m in branches.path_items(conv) + (conv.get("off_path") or [])):
             return JSONResponse({"detail": "no such message in this conversation"}, status_code=404)
-        conv = await store.update(conv_id, lambda c: branches.switch(c, body.message_id, descend=True), lock=lock)
-    finally:
-        await store.unlock_turn(lock)
+        conv = await store.update(conv_id, lambda c: branches.switch(c, body.message_id, descend=True),
+                                  lock=claim.lock)
     return await conversation_out(state, store, conv)
 
 

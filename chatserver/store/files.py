@@ -61,6 +61,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 import anyio
 import orjson
 
+from chatserver.conversations.usage import count_reply
 from chatserver.upstream.failures import redact_json
 
 log = logging.getLogger("chat.storage")
@@ -264,13 +265,9 @@ def recover_interrupted(conv: dict) -> bool:
         usage = message.get("usage")
         if isinstance(usage, dict):
             usage["estimated"] = True
-            for key in ("input_tokens", "output_tokens", "cached_tokens", "searches", "fetches"):
-                totals[key] = totals.get(key, 0) + (usage.get(key) or 0)
-            if usage.get("cost") is None:
-                totals["cost_unreported"] = totals.get("cost_unreported", 0) + 1
-            else:
-                totals["cost"] = round(totals.get("cost", 0) + usage["cost"], 10)
-        totals["turns"] = totals.get("turns", 0) + 1
+            count_reply(totals, usage)
+        else:
+            totals["turns"] = totals.get("turns", 0) + 1
     return found
 
 

@@ -14,12 +14,12 @@ reply (`storage.recover_interrupted`). This module knows the reply's shape, not 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 
-from chatserver.store.files import LockLost, NotFound, now_iso
+from chatserver.store.files import LockLost, NotFound
 from chatserver.turns import context
-from chatserver.turns.pipeline import Turn, combined
+from chatserver.turns.pipeline import Turn
+from chatserver.turns.reply import reply_message, reply_usage
 
 log = logging.getLogger("chat.checkpoints")
 
@@ -54,36 +54,15 @@ class OutputCount:
         return self.tokens + context.count_tokens_uncached(text[len(self.counted):])
 
 
-def usage_so_far(turn: Turn, output: OutputCount) -> dict:
-    """The reply's usage as far as it went, always flagged as an estimate."""
+def checkpoint_message(turn: Turn, output: OutputCount) -> dict:
+    """The reply so far, as the assistant message a crash would leave behind; its usage is always
+    flagged as an estimate."""
     counting = turn.counting
     sent_floor = counting.result() if counting is not None and counting.done() and not counting.cancelled() \
         and counting.exception() is None else 0
-    reply = turn.reply
-    reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages]
-    if not reports:
-        reports = [context.normalize_usage(None, sent_floor=sent_floor)]
-        reports[0]["output_tokens"] = output.of(reply.text)
-    usage = combined(reports)
-    usage["searches"] = max(usage["searches"], reply.searches)
-    usage["fetches"] = max(usage["fetches"], reply.fetches)
+    usage, _ = reply_usage(turn, sent_floor, output_tokens=output.of(turn.reply.text))
     usage["estimated"] = True
-    return usage
-
-
-def checkpoint_message(turn: Turn, output: OutputCount) -> dict:
-    """The reply so far, as the assistant message a crash would leave behind."""
-    reply = turn.reply
-    message = {
-        "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
-        "created_at": now_iso(), "model": turn.model, "status": "streaming",
-        # Copied: the pipeline keeps growing these lists and steps after the checkpoint is taken.
-        "activity": copy.deepcopy(reply.activity), "citations": copy.deepcopy(reply.citations),
-        "usage": usage_so_far(turn, output),
-    }
-    if reply.warnings:
-        message["warnings"] = copy.deepcopy(reply.warnings)
-    return message
+    return reply_message(turn, "streaming", usage, snapshot=True)
 
 
 async def keep_checkpoints(turn: Turn, every: float) -> None:

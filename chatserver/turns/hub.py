@@ -33,6 +33,7 @@ from chatserver.store.person_events import PersonEvents, tell_turn
 from chatserver.turns.checkpoints import keep_checkpoints
 from chatserver.turns.events import TurnDone
 from chatserver.turns.pipeline import Turn, Turns
+from chatserver.turns.reply import done_event
 
 log = logging.getLogger("chat.turn_hub")
 
@@ -150,13 +151,7 @@ class RunningTurn:
         with contextlib.suppress(NotFound):
             conv = await turn.store.get(turn.conv_id)
             stored = next((m for m in reversed(conv["messages"]) if m["id"] == turn.assistant_id), None)
-        return interrupted_done(turn.assistant_id, stored)
-
-
-def interrupted_done(assistant_id: str, stored: dict | None) -> TurnDone:
-    """The `done` of a turn that ended early, with what its stored reply says (None: nothing was stored)."""
-    return TurnDone(assistant_id, stored.get("usage") if stored else None,
-                    stored.get("citations") or [] if stored else [], status="interrupted")
+        return done_event(turn.assistant_id, stored, "interrupted")
 
 
 class Started(Protocol):

@@ -29,6 +29,7 @@ from chatserver.attachments.store import Attachments, attachment_context, attach
 from chatserver.config import ModelInfo, Settings
 from chatserver.conversations import branches, pii
 from chatserver.conversations.presets import PresetNotFound, presets_for
+from chatserver.conversations.usage import add_usage, count_reply
 from chatserver.store.files import (
     Change,
     NotFound,
@@ -41,19 +42,20 @@ from chatserver.store.files import (
 )
 from chatserver.tools import registry as tools
 from chatserver.turns import context, titles
+from chatserver.turns.claim import Claim
 from chatserver.turns.events import (
     Compressed,
     Event,
     ReasoningDelta,
     Reply,
     TextDelta,
-    TurnDone,
     TurnEvent,
     TurnFailed,
     TurnStarted,
     TurnWarning,
     accumulate,
 )
+from chatserver.turns.reply import done_event, reply_message, reply_usage
 from chatserver.turns.toolloop import ToolLoop
 from chatserver.upstream import chat
 from chatserver.upstream import messages as web_tools
@@ -64,7 +66,6 @@ log = logging.getLogger("chat.turns")
 
 NEW_TITLE = "New conversation"
 # How long a turn that ended while the store was down keeps trying to release its lock.
-UNLOCK_RETRY_SECONDS = 60
 ATTACHMENT_TOOLS = ("search_attachments", "read_attachment")
 
 
@@ -138,7 +139,7 @@ class Redactor:
 @dataclass(slots=True)
 class Turn:
     store: OwnerStore
-    lock: TurnLock
+    claim: Claim  # the conversation's turn lock, released once whatever happens
     model: str
     user_message: dict | None  # None when regenerating: the question is already stored
     assistant_id: str = field(default_factory=new_id)
@@ -147,7 +148,6 @@ class Turn:
     # Set once the request went upstream: from then on a stopped reply was billed, text or not.
     requested: bool = False
     redactor: Redactor = field(default_factory=Redactor)
-    keeper: asyncio.Future | None = None  # renews the lock of a store whose locks expire (Redis)
     masked: int | None = None  # items of personal data masked in the person's message, when masking is on
     # Facts the model asked to remember while the person approves facts first: stored with the
     # reply as a notice to review, never written to memory by the turn.
@@ -165,8 +165,12 @@ class Turn:
     previous_leaf: str | None = None
 
     @property
+    def lock(self) -> TurnLock:
+        return self.claim.lock
+
+    @property
     def conv_id(self) -> str:
-        return self.lock.conv_id
+        return self.claim.lock.conv_id
 
     @property
     def settled(self) -> bool:
@@ -181,33 +185,10 @@ def title_from(text: str, limit: int = 60) -> str:
     return (cut if len(cut) > limit // 2 else line[:limit]).rstrip() + "…"
 
 
-def add_usage(totals: dict, usage: dict) -> None:
-    """Conversation totals; a missing cost is counted as unreported, never as zero."""
-    for key in ("input_tokens", "output_tokens", "cached_tokens", "searches", "fetches"):
-        totals[key] += usage.get(key) or 0
-    if usage.get("cost") is None:
-        totals["cost_unreported"] += 1
-    else:
-        totals["cost"] = round(totals["cost"] + usage["cost"], 10)
-
-
 def add_call_tokens(totals: dict, kind: str, usage: dict) -> None:
     """A summarizer call's tokens apart (`title_input_tokens`...), so the header can itemise the totals."""
     for key in ("input_tokens", "output_tokens"):
         totals[f"{kind}_{key}"] = totals.get(f"{kind}_{key}", 0) + (usage.get(key) or 0)
-
-
-def combined(reports: list[dict]) -> dict:
-    """Usage records of one reply's requests, summed; a cost missing from any is unreported."""
-    if len(reports) == 1:
-        return reports[0]
-    total = dict(reports[0])
-    for report in reports[1:]:
-        for key in ("input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "searches", "fetches"):
-            total[key] += report[key]
-        total["cost"] = None if total["cost"] is None or report["cost"] is None else total["cost"] + report["cost"]
-        total["estimated"] = total["estimated"] or report["estimated"]
-    return total
 
 
 def failed(failure: UpstreamError, *, partial: bool, draft: str | None = None) -> TurnFailed:
@@ -238,7 +219,6 @@ class Turns:
         self.tool_runtime = tool_runtime
         # The whole lineup, custom models included; unset, only the built-in models are usable.
         self.lineup: Callable[[], Awaitable[list[ModelInfo]]] | None = None
-        self._unlocking: set[asyncio.Future] = set()  # releases waiting for the store to come back
         # Models that must get plain-text content: configured, or learned from a refusal of the layout.
         self.plain_text_models = {m.strip() for m in settings.plain_text_models.split(",") if m.strip()}
         # Work that follows a turn (its title), kept so it is not collected mid-flight and can be awaited.
@@ -253,7 +233,8 @@ class Turns:
         (edit and resend); NotAnAnswerPoint when it is not one (`branches.user_parents`). The
         change is visible at once; its write runs while `run` sends the request upstream.
         """
-        lock = await store.lock_turn(conv_id)
+        claim = await Claim.take(store, conv_id, keep_alive=True)
+        lock = claim.lock
         try:
             conv = await store.get(conv_id)
             if not await self.in_lineup(conv["model"]):
@@ -263,7 +244,7 @@ class Turns:
                 question = next((m["id"] for m in reversed(conv["messages"]) if m["role"] == "user"), None)
                 if question is None:
                     raise NothingToAnswer(conv_id)
-                turn = Turn(store, lock, conv["model"], None, parent_id=question, previous_leaf=previous)
+                turn = Turn(store, claim, conv["model"], None, parent_id=question, previous_leaf=previous)
                 change = functools.partial(_set_answers_aside, question=question)
             else:
                 edit = parent_id is not LEAF and parent_id != previous
@@ -285,14 +266,12 @@ class Turns:
                         branches.switch(c, parent, descend=False)
                     c["messages"].append(user)
 
-                turn = Turn(store, lock, conv["model"], user, parent_id=user["id"], previous_leaf=previous,
+                turn = Turn(store, claim, conv["model"], user, parent_id=user["id"], previous_leaf=previous,
                             masked=masked)
             _, turn.opening = await store.update_soon(conv_id, _settling_the_dead(change), lock=lock)
         except BaseException:
-            await store.unlock_turn(lock)
+            await claim.release()
             raise
-        if store.lock_renew_seconds is not None:
-            turn.keeper = asyncio.ensure_future(self._keep_lock(turn, store.lock_renew_seconds))
         return turn
 
     async def in_lineup(self, model: str) -> bool:
@@ -300,29 +279,11 @@ class Turns:
         lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
         return any(m.id == model for m in lineup)
 
-    @staticmethod
-    async def _keep_lock(turn: Turn, every: float) -> None:
-        """Renew the turn's lock while it runs; a process that dies stops renewing, and the lock frees."""
-        while True:
-            await asyncio.sleep(every)
-            try:
-                if not await turn.store.renew_turn(turn.lock):
-                    log.warning("turn on %s lost its lock; its writes will be refused", turn.conv_id)
-                    return
-            except StoreUnavailable:
-                continue  # the turn itself reports the store; the lock lasts a while yet
-
     async def release(self, turn: Turn) -> None:
         """Give the conversation back; a turn whose stream never ran stores nothing."""
         if not turn.settled:
             turn.outcome = Outcome.ABANDONED
-        if turn.keeper is not None:
-            turn.keeper.cancel()
-        with anyio.CancelScope(shield=True):
-            try:
-                await turn.store.unlock_turn(turn.lock)
-            except StoreUnavailable:  # the turn already said so; free the conversation once it is back
-                self._unlocking.add(asyncio.ensure_future(self._unlock_when_back(turn)))
+        await turn.claim.release()
         if turn.outcome is Outcome.SAVED and self.settings.auto_title:
             self.name_soon(turn.store, turn.conv_id)
 
@@ -476,12 +437,8 @@ class Turns:
 
     async def compress_now(self, store: OwnerStore, conv_id: str) -> dict:
         """Compress now (whatever the budget), with the conversation claimed as a turn would claim it."""
-        lock = await store.lock_turn(conv_id)
-        try:
-            return await self.compress(store, conv_id, pending=False, lock=lock)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await store.unlock_turn(lock)
+        async with await Claim.take(store, conv_id) as claim:
+            return await self.compress(store, conv_id, pending=False, lock=claim.lock)
 
     async def _summarize(self, messages: list[dict]) -> tuple[str, str, dict | None]:
         """One non-streamed call to SUMMARIZER_MODEL, capped at SUMMARY_MAX_TOKENS."""
@@ -543,8 +500,7 @@ class Turns:
                     yield Compressed(outcome)
             if reply.finish_reason in ("length", "max_tokens"):
                 yield self._warn(reply, "max_tokens", "The reply stopped at the output limit (MAX_COMPLETION_TOKENS).")
-            usage = await self._save(turn, "complete")
-            yield TurnDone(turn.assistant_id, usage, reply.citations)
+            yield done_event(turn.assistant_id, await self._save(turn, "complete"))
         except UpstreamError as failure:
             yield await self._fail(turn, failure)
         except OpeningFailed as exc:
@@ -566,14 +522,11 @@ class Turns:
             # Stop and closed tabs land here (cancellation or aclose): keep what arrived. Shielded,
             # because a cancelled task would otherwise be cancelled again at the save's first await.
             with anyio.CancelScope(shield=True):
-                if turn.keeper is not None:
-                    turn.keeper.cancel()
                 try:
                     await self._save(turn, "interrupted")
-                    await turn.store.unlock_turn(turn.lock)
-                except StoreUnavailable as exc:  # the person was already told; free the conversation later
+                except StoreUnavailable as exc:  # the person was already told
                     log.warning("turn on %s ended while the store was unreachable: %s", turn.conv_id, exc)
-                    self._unlocking.add(asyncio.ensure_future(self._unlock_when_back(turn)))
+                await turn.claim.release()
 
     def _learned_plain_text(self, turn: Turn, conv: dict, failure: UpstreamError) -> bool:
         """A server that refused the layered system blocks as malformed: send plain text from now on.
@@ -587,22 +540,6 @@ class Turns:
         log.warning("%s refused the layered system prompt; sending it plain text from now on (no cache markers)",
                     turn.model)
         return True
-
-    async def _unlock_when_back(self, turn: Turn) -> None:
-        """Release a turn's lock once the store answers again, rather than leave the conversation
-        busy until the lock expires (bounded by UNLOCK_RETRY_SECONDS: by then it has expired)."""
-        deadline = asyncio.get_running_loop().time() + UNLOCK_RETRY_SECONDS
-        delay = 0.1
-        try:
-            while asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(delay)
-                try:
-                    await turn.store.unlock_turn(turn.lock)
-                    return
-                except StoreUnavailable:
-                    delay = min(delay * 2, 2.0)
-        finally:
-            self._unlocking.discard(asyncio.current_task())
 
     @staticmethod
     def _warn(reply: Reply, code: str, message: str) -> TurnWarning:
@@ -744,7 +681,8 @@ class Turns:
             await turn.store.update(turn.conv_id, remove, lock=turn.lock)
 
     async def _save(self, turn: Turn, status: str, error: str | None = None) -> dict | None:
-        """Store the reply once; an empty reply is stored only when Stop cut a billed request short."""
+        """Store the reply once and return it as stored (None: nothing was); an empty reply is
+        stored only when Stop cut a billed request short."""
         if turn.settled:
             return None
         reply = turn.reply
@@ -757,22 +695,8 @@ class Turns:
         turn.outcome = Outcome.SAVED
         reply.end_running_tools()
         sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
-        reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages] or [
-            context.normalize_usage(None, sent_floor=sent_floor, output_text=reply.text)]
-        usage = combined(reports)
-        usage["searches"] = max(usage["searches"], reply.searches)
-        usage["fetches"] = max(usage["fetches"], reply.fetches)
-        message = {
-            "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
-            "created_at": now_iso(), "model": turn.model, "status": status,
-            "activity": reply.activity, "citations": reply.citations, "usage": usage,
-        }
-        if reply.warnings:
-            message["warnings"] = reply.warnings
-        if reply.rounds:
-            message["rounds"] = reply.rounds
-        if error:
-            message["error"] = error
+        usage, reports = reply_usage(turn, sent_floor)
+        message = reply_message(turn, status, usage, error=error)
 
         # Facts the model proposed follow the reply, so they leave the path with it (a regenerate).
         notice = context.proposed_facts_notice(turn.proposed_facts, turn.assistant_id) if turn.proposed_facts else None
@@ -786,8 +710,7 @@ class Turns:
                 messages.append(message)
             if notice is not None:
                 messages.append(notice)
-            add_usage(c["totals"], usage)
-            c["totals"]["turns"] += 1
+            count_reply(c["totals"], usage)
             if not usage["estimated"]:
                 # The last request of a paused turn carried the whole prompt; the sum is the bill.
                 c["last_prompt_tokens"] = reports[-1]["input_tokens"]
@@ -796,7 +719,7 @@ class Turns:
             await turn.store.update(turn.conv_id, append, lock=turn.lock)
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
-        return usage
+        return message
 
 
 def _set_answers_aside(conv: dict, *, question: str) -> None:

@@ -32,8 +32,9 @@ from chatserver.api.sse import encode
 from chatserver.store.files import StoreUnavailable
 from chatserver.store.person_events import PersonEvents, tell_turn
 from chatserver.store.redis import RedisStore
-from chatserver.turns.hub import KEEP_AFTER_END, STOP_WAIT, LocalTurnHub, RunningTurn, interrupted_done
+from chatserver.turns.hub import KEEP_AFTER_END, STOP_WAIT, LocalTurnHub, RunningTurn
 from chatserver.turns.pipeline import Turn, Turns
+from chatserver.turns.reply import done_event
 
 log = logging.getLogger("chat.redis_turn_hub")
 
@@ -95,7 +96,7 @@ class RedisTurnHub:
             # Its process stopped beating before the last event: end the stream as a Stop would.
             log.warning("the turn on %s stopped beating; its followers end it as interrupted", conv_id)
             stored = await self.store.stored_reply(conv_id, turn_id)
-            if (frame := encode(interrupted_done(turn_id, stored), max(seq, tail.seq) + 1)) is not None:
+            if (frame := encode(done_event(turn_id, stored, "interrupted"), max(seq, tail.seq) + 1)) is not None:
                 yield frame
 
     async def stop(self, conv_id: str) -> None:

@@ -1,0 +1,63 @@
+"""The one place a turn's reply becomes the stored assistant message and its usage (the final
+save and every checkpoint, what a crash leaves behind, build it here), and the one place a stored
+reply becomes the turn's `done`."""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+from chatserver.conversations.usage import combined
+from chatserver.store.files import now_iso
+from chatserver.turns import context
+from chatserver.turns.events import TurnDone
+
+if TYPE_CHECKING:
+    from chatserver.turns.pipeline import Turn
+
+
+def reply_usage(turn: Turn, sent_floor: int, *, output_tokens: int | None = None) -> tuple[dict, list[dict]]:
+    """The reply's usage (its requests' reports summed) and those reports.
+
+    With no report from the gateway the prompt is our own count (`sent_floor`) and the output is
+    `output_tokens`, or counted from the text when not given; such a record is an estimate.
+    """
+    reply = turn.reply
+    reports = [context.normalize_usage(raw, sent_floor=sent_floor) for raw in reply.usages]
+    if not reports:
+        report = context.normalize_usage(None, sent_floor=sent_floor,
+                                         output_text=reply.text if output_tokens is None else "")
+        if output_tokens is not None:
+            report["output_tokens"] = output_tokens
+        reports = [report]
+    usage = combined(reports)
+    usage["searches"] = max(usage["searches"], reply.searches)
+    usage["fetches"] = max(usage["fetches"], reply.fetches)
+    return usage, reports
+
+
+def reply_message(turn: Turn, status: str, usage: dict, *, error: str | None = None,
+                  snapshot: bool = False) -> dict:
+    """The assistant message as stored. `snapshot`: a checkpoint's copy, taken while the pipeline
+    keeps growing the reply's lists; the final save stores them as they are."""
+    reply = turn.reply
+    keep = copy.deepcopy if snapshot else (lambda value: value)
+    message = {
+        "id": turn.assistant_id, "role": "assistant", "content": reply.text, "parent_id": turn.parent_id,
+        "created_at": now_iso(), "model": turn.model, "status": status,
+        "activity": keep(reply.activity), "citations": keep(reply.citations), "usage": usage,
+    }
+    if reply.warnings:
+        message["warnings"] = keep(reply.warnings)
+    if reply.rounds and not snapshot:
+        message["rounds"] = reply.rounds
+    if error:
+        message["error"] = error
+    return message
+
+
+def done_event(assistant_id: str, stored: dict | None, status: str = "complete") -> TurnDone:
+    """The turn's `done`, saying what its stored reply says (`stored` None: nothing was stored)."""
+    if stored is None:
+        return TurnDone(assistant_id, None, [], status=status)
+    return TurnDone(assistant_id, stored.get("usage"), stored.get("citations") or [], status=status)
