@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 import gateway  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
-from chatserver.store.files import LOCAL_OWNER, SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
+from chatserver.conversations.document import LOCAL_OWNER, SCHEMA_VERSION, empty_totals, new_id, now_iso  # noqa: E402
 
 PY = sys.executable
 LITELLM_VENV = BENCH / ".venv-litellm"

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from chatserver.config import Settings
-from chatserver.store.files import SCHEMA_VERSION, new_id, now_iso
+from chatserver.conversations.document import SCHEMA_VERSION, new_id, now_iso
 from gateway_sim.simulator import Script, Usage, errors, steps
 from support import parse_sse, serve
 

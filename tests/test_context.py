@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from chatserver.config import Settings
-from chatserver.store.files import LOCAL_OWNER
+from chatserver.conversations.document import LOCAL_OWNER
 from chatserver.turns import context
 from gateway_sim.simulator import Script, Usage, errors, steps
 

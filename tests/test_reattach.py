@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from chatserver.config import Settings
-from chatserver.store.files import FileStore, checkpoints_beside, new_id, now_iso
+from chatserver.conversations.document import new_id, now_iso
+from chatserver.store.files import FileStore, checkpoints_beside
 from chatserver.store.redis import RedisStore
 from chatserver.turns.pipeline import Turns
 from gateway_sim.simulator import Script, steps

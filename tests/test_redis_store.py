@@ -10,7 +10,8 @@ import time
 import pytest
 import redis as sync_redis
 
-from chatserver.store.files import LockLost, NotFound, TurnBusy, new_id
+from chatserver.conversations.document import new_id
+from chatserver.store.files import LockLost, NotFound, TurnBusy
 from chatserver.store.redis import RECHECK, RedisStore, StoreUnavailable
 from redis_support import RedisServer, unique_prefix
 from test_store_contract import append, conversation, message

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from chatserver.config import Settings
-from chatserver.store.files import new_id
+from chatserver.conversations.document import new_id
 from gateway_sim.simulator import Script, errors, steps
 from support import LiveServer, free_port, names, parse_sse, serve
 

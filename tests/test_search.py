@@ -10,9 +10,10 @@ import pytest
 
 from chatserver.app import create_app
 from chatserver.config import Settings
+from chatserver.conversations.document import new_id, now_iso
 from chatserver.search import index as search_index
 from chatserver.search.index import SearchIndex
-from chatserver.store.files import SEAL_AFTER, new_id, now_iso
+from chatserver.store.files import SEAL_AFTER
 from gateway_sim.simulator import Script, Usage, steps
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from chatserver.conversations.document import LOCAL_OWNER, SCHEMA_VERSION, new_id, valid_id
 from chatserver.store import files as storage
-from chatserver.store.files import LOCAL_OWNER, SCHEMA_VERSION, Damaged, FileStore, NotFound, checkpoints_beside, new_id, valid_id
+from chatserver.store.files import Damaged, FileStore, NotFound, checkpoints_beside
 
 ROOT = Path(__file__).resolve().parent.parent
 

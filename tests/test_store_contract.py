@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from chatserver.store.files import SCHEMA_VERSION, FileStore, LockLost, NotFound, TurnBusy, new_id, now_iso
+from chatserver.conversations.document import SCHEMA_VERSION, new_id, now_iso
+from chatserver.store.files import FileStore, LockLost, NotFound, TurnBusy
 from chatserver.store.redis import RedisStore
 from redis_support import unique_prefix
 

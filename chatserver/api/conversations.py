@@ -30,8 +30,9 @@ from chatserver.api.sse import TurnResponse
 from chatserver.attachments.store import AttachmentNotFound, conversation_scope
 from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches, pii
+from chatserver.conversations.document import new_id, now_iso
 from chatserver.conversations.presets import PresetNotFound, presets_for
-from chatserver.store.files import OwnerStore, TurnBusy, new_id, now_iso
+from chatserver.store.files import OwnerStore, TurnBusy
 from chatserver.tools import registry as tools
 from chatserver.turns import context
 from chatserver.turns.claim import Claim

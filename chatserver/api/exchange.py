@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse, Response
 from chatserver.api.deps import OwnerStoreDep, StateDep
 from chatserver.api.quota import check_conversations
 from chatserver.conversations import exchange, pii
+from chatserver.conversations.document import new_id, now_iso
 from chatserver.search.index import IndexFollower, SearchIndex
-from chatserver.store.files import FileStore, NotFound, OwnerStore, new_id, now_iso
+from chatserver.store.files import FileStore, NotFound, OwnerStore
 
 log = logging.getLogger("chat.exchange")
 

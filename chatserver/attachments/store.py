@@ -52,7 +52,8 @@ from chatserver.attachments.extraction import (  # noqa: F401  (the errors are t
     extension,
 )
 from chatserver.conversations import pii
-from chatserver.store.files import atomic_write, new_id, now_iso, valid_id
+from chatserver.conversations.document import new_id, now_iso, valid_id
+from chatserver.store.files import atomic_write
 
 log = logging.getLogger("chat.attachments")
 

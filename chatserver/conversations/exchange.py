@@ -25,7 +25,7 @@ import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from chatserver.conversations import branches
-from chatserver.store.files import new_id, now_iso
+from chatserver.conversations.document import new_id, now_iso
 
 FORMAT = "chat-server-export"
 VERSION = 1

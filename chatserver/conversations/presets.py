@@ -24,7 +24,8 @@ from pathlib import Path
 import orjson
 
 from chatserver.config import PACKAGE
-from chatserver.store.files import LOCAL_OWNER, atomic_write, read_small_file
+from chatserver.conversations.document import LOCAL_OWNER
+from chatserver.store.files import atomic_write, read_small_file
 from chatserver.tools import registry as tools
 
 log = logging.getLogger("chat.presets")

@@ -29,7 +29,8 @@ from typing import Any
 
 import orjson
 
-from chatserver.store.files import Change, OwnerStore, StoreUnavailable, TurnLock, summary_of
+from chatserver.conversations.document import summary_of
+from chatserver.store.files import Change, OwnerStore, StoreUnavailable, TurnLock
 
 log = logging.getLogger("chat.person_events")
 

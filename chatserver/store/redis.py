@@ -61,6 +61,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from chatserver.conversations.document import (
+    new_id,
+    now_iso,
+    place_checkpoint,
+    recover_interrupted,
+    summary_of,
+    upgrade,
+    valid_id,
+)
 from chatserver.store.files import (
     SEALED_LISTS,
     SEGMENT_MESSAGES,
@@ -71,13 +80,6 @@ from chatserver.store.files import (
     TurnBusy,
     TurnLock,
     _check_owner,
-    new_id,
-    now_iso,
-    place_checkpoint,
-    recover_interrupted,
-    summary_of,
-    upgrade,
-    valid_id,
 )
 from chatserver.upstream.failures import redact_json
 

@@ -38,7 +38,7 @@ import tiktoken
 
 from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches
-from chatserver.store.files import new_id, now_iso
+from chatserver.conversations.document import new_id, now_iso
 from chatserver.upstream.failures import UpstreamError, classify_finish
 
 log = logging.getLogger("chat.context")

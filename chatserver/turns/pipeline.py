@@ -28,18 +28,10 @@ import anyio
 from chatserver.attachments.store import Attachments, attachment_context, attachment_listing
 from chatserver.config import ModelInfo, Settings
 from chatserver.conversations import branches, pii
+from chatserver.conversations.document import new_id, now_iso, recover_interrupted
 from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.conversations.usage import add_usage, count_reply
-from chatserver.store.files import (
-    Change,
-    NotFound,
-    OwnerStore,
-    StoreUnavailable,
-    TurnLock,
-    new_id,
-    now_iso,
-    recover_interrupted,
-)
+from chatserver.store.files import Change, NotFound, OwnerStore, StoreUnavailable, TurnLock
 from chatserver.tools import registry as tools
 from chatserver.turns import context, titles
 from chatserver.turns.claim import Claim

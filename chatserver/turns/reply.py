@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
+from chatserver.conversations.document import now_iso
 from chatserver.conversations.usage import combined
-from chatserver.store.files import now_iso
 from chatserver.turns import context
 from chatserver.turns.events import TurnDone
 
