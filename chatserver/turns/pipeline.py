@@ -50,7 +50,6 @@ from chatserver.turns.events import (
 from chatserver.turns.reply import done_event, reply_message, reply_usage
 from chatserver.turns.toolloop import ToolLoop
 from chatserver.upstream import chat
-from chatserver.upstream import messages as web_tools
 from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import StreamRedactor, UpstreamError, classify_exception, redact_value
 
@@ -571,22 +570,17 @@ class Turns:
 
     async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
                          has_files: bool) -> AsyncIterator[Event]:
-        """Turns with our own tools run the tool loop; with only the gateway's web tools they go to
-        /v1/messages, the only endpoint that shows the searches; the rest are plain chat turns."""
+        """Every turn goes through the tool loop: with the gateway's web tools on /v1/messages, the
+        only endpoint that shows the searches; otherwise on chat completions, with our tools if any."""
         selection = await self._selection(turn, conv, has_files)
         if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
             prompt = self._without_web_sentence(conv, prompt)
-        if selection.local:
-            loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
-                            model=turn.model, selection=selection, ctx=self._tool_context(turn, conv),
-                            scope=lambda: self._attachment_scope(turn, conv),
-                            plain_text=turn.model in self.plain_text_models)
-            source = loop.run(prompt)
-        elif selection.gateway:
-            source = self._tool_transport(turn, conv, prompt, list(selection.gateway))
-        else:
-            source = self._chat_transport(turn, prompt)
-        async with contextlib.aclosing(source) as events:
+        loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
+                        model=turn.model, selection=selection, ctx=self._tool_context(turn, conv),
+                        scope=lambda: self._attachment_scope(turn, conv),
+                        plain_text=turn.model in self.plain_text_models,
+                        without_web=lambda p: self._without_web_sentence(conv, p))
+        async with contextlib.aclosing(loop.run(prompt)) as events:
             async for event in events:
                 yield event
 
@@ -614,33 +608,6 @@ class Turns:
         if not sentence:
             return prompt
         return context.Prompt([p for p in prompt.system if p["text"] != sentence], prompt.messages)
-
-    def _chat_transport(self, turn: Turn, prompt: context.Prompt) -> AsyncIterator[Event]:
-        body = chat.build_body(
-            turn.model, prompt.system, prompt.messages,
-            max_tokens=self.settings.max_completion_tokens, params=self.settings.params_for(turn.model),
-            plain_text=turn.model in self.plain_text_models,
-        )
-        return self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
-
-    async def _tool_transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
-                              names: list[str]) -> AsyncIterator[Event]:
-        """A tool turn; when the gateway rejects every tool, the turn is answered as a chat turn."""
-        try:
-            async with contextlib.aclosing(web_tools.stream(
-                self.gateway, model=turn.model, system=prompt.system, messages=prompt.messages,
-                tools=web_tools.declarations(names, self.settings),
-                max_tokens=self.settings.max_completion_tokens, pause_turn_max=self.settings.pause_turn_max,
-            )) as events:
-                async for event in events:
-                    yield event
-            return
-        except web_tools.ToolsRejected as rejected:
-            yield rejected.warning
-        plain = self._without_web_sentence(conv, prompt)
-        async with contextlib.aclosing(self._chat_transport(turn, plain)) as events:
-            async for event in events:
-                yield event
 
     async def _fail(self, turn: Turn, failure: UpstreamError) -> TurnFailed:
         """Save or roll back, then the `error` event that ends the stream."""

@@ -1,6 +1,8 @@
-"""The tool loop: ask the model, run the tools it calls on this server, send the results back, and
-ask again, until it answers without calling (at most TOOL_ROUNDS_MAX rounds, then once more with
-tools switched off and a `tool_rounds` warning).
+"""The one transport of every turn: ask the model, run the tools it calls on this server, send the
+results back, and ask again, until it answers without calling (at most TOOL_ROUNDS_MAX rounds,
+then once more with tools switched off and a `tool_rounds` warning). A turn without tools of ours
+is the same loop's single round: a plain chat turn, or a Messages turn for the gateway's web tools
+(answered as a chat turn, with a `tool_dropped` warning, when the gateway refuses them all).
 
 Promises: one stream of `events` values for the whole loop, on either wire format (chat
 completions with `tools`, or Messages with our tools next to the gateway's server tools); the
@@ -55,7 +57,8 @@ class ToolLoop:
     def __init__(self, gateway: Gateway, settings: Settings, *, wire: Wire, model: str,
                  selection: tools.Selection, ctx: tools.ToolContext,
                  scope: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 registry: tools.Registry = tools.registry, plain_text: bool = False) -> None:
+                 registry: tools.Registry = tools.registry, plain_text: bool = False,
+                 without_web: Callable[[Prompt], Prompt] = lambda prompt: prompt) -> None:
         self.gateway = gateway
         self.plain_text = plain_text  # a server that takes plain-text content only (turns.py learns which)
         self.settings = settings
@@ -67,24 +70,39 @@ class ToolLoop:
         self.registry = registry
         # Gateway tools the gateway refused in an earlier round: not declared again.
         self.dropped: set[str] = set()
+        # The prompt for a turn that lost its web tools (the budget sentence would promise searches).
+        self.without_web = without_web
 
     async def run(self, prompt: Prompt) -> AsyncIterator[Event]:
         limit = self.settings.tool_rounds_max
         extra: list[dict] = []
         for round_number in range(limit + 1):
             final = round_number == limit
-            if final:
+            # Only a turn that offers our tools can run out of rounds (or needs them switched off).
+            closing = final and bool(self.selection.local)
+            if closing:
                 yield rounds_warning(limit)
             requested: ToolCallsRequested | None = None
             text = ""
-            async with contextlib.aclosing(self._request(prompt, extra, final)) as events:
-                async for event in events:
-                    if isinstance(event, ToolCallsRequested):
-                        requested = event
-                        continue
-                    if isinstance(event, TextDelta):
-                        text += event.text
-                    yield event
+            try:
+                async with contextlib.aclosing(self._request(prompt, extra, closing)) as events:
+                    async for event in events:
+                        if isinstance(event, ToolCallsRequested):
+                            requested = event
+                            continue
+                        if isinstance(event, TextDelta):
+                            text += event.text
+                        yield event
+            except web.ToolsRejected as rejected:
+                if self.selection.local:
+                    raise
+                # The gateway refused every web tool before answering: the same turn as a chat turn.
+                yield rejected.warning
+                self.wire = "chat"
+                async with contextlib.aclosing(self._request(self.without_web(prompt), extra, False)) as events:
+                    async for event in events:
+                        yield event
+                return
             if requested is None or final:
                 return  # an answer (a `tool_calls` finish without calls is one too)
             calls, refused = self.registry.bound(requested.calls, max_calls=self.settings.tool_calls_max,
@@ -115,6 +133,7 @@ class ToolLoop:
                 result = await anext(running, None)
 
     def _request(self, prompt: Prompt, extra: list[dict], final: bool) -> AsyncIterator[Event]:
+        """One request; `final`: our tools stay declared (the history names them) but may not be called."""
         choice = "none" if final else None
         messages = prompt.messages + extra
         if self.wire == "chat":
