@@ -31,6 +31,7 @@ from chatserver.api.guard import SECURITY_HEADERS, Guard
 from chatserver.attachments.store import Attachments, Limits
 from chatserver.config import Settings, get_settings
 from chatserver.conversations import pii
+from chatserver.search.follow import open_search
 from chatserver.store.files import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from chatserver.store.person_events import PersonEvents, RedisPersonEvents
 from chatserver.turns import context
@@ -90,14 +91,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             store = files = FileStore(active.data_dir)
         expiry = None
         await store.ping()
-        if files is not None:
-            app.state.search = await exchange_routes.open_index(files)
-            if active.conversation_ttl_days:
-                app.state.expiry_pass = asyncio.get_running_loop().create_future()
-                expiry = asyncio.create_task(expire_untouched(files, active.conversation_ttl_days,
-                                                              app.state.expiry_pass))
-        else:  # Redis expires conversations itself (a TTL on their keys)
-            app.state.search = await exchange_routes.open_synced_index(active.data_dir)
+        if files is not None and active.conversation_ttl_days:  # Redis expires them itself (a TTL on their keys)
+            app.state.expiry_pass = asyncio.get_running_loop().create_future()
+            expiry = asyncio.create_task(expire_untouched(files, active.conversation_ttl_days, app.state.expiry_pass))
+        # Each process keeps its own index, following every process's changes.
+        index_file = exchange_routes.INDEX_FILE if files is not None else exchange_routes.SYNCED_INDEX_FILE
+        app.state.search = await open_search(store, active.data_dir / index_file)
         attachments = Attachments(active.data_dir / "attachments", Limits(
             max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
             timeout=active.extract_timeout, max_mb=active.extract_max_mb, workers=active.extract_workers,

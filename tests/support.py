@@ -94,6 +94,7 @@ class LiveServer:
     """
 
     def __init__(self, data_dir: Path, env: dict[str, str], launch: str | None = None) -> None:
+        self.data_dir = data_dir
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         inherited = {k: v for k, v in os.environ.items() if k != "ACCESS_TOKEN"}

@@ -4,8 +4,10 @@ recovered by the other when its process dies; ownership holds the same on both."
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
+import sqlite3
 import threading
 import time
 
@@ -74,14 +76,46 @@ def test_each_server_finds_what_the_other_wrote_and_forgets_what_it_deleted(pair
         assert answer.status_code == 200, answer.text
         return {hit["conversation_id"] for hit in answer.json()}
 
-    assert found(a, "가지") == {kept["id"]}
-    assert found(a, "cucumber") == {gone["id"]}
+    def finds(server, q: str, expected: set[str]) -> None:
+        """Each index follows the other server's changes within moments, not on the search's path."""
+        deadline = time.monotonic() + 10
+        while (hits := found(server, q)) != expected:
+            assert time.monotonic() < deadline, (q, hits, expected)
+            time.sleep(0.05)
+
+    finds(a, "가지", {kept["id"]})
+    finds(a, "cucumber", {gone["id"]})
     httpx.patch(f"{b.base_url}/api/conversations/{kept['id']}", json={"title": "Vegetables 채소"})
     assert httpx.delete(f"{b.base_url}/api/conversations/{gone['id']}").status_code == 204
 
-    assert found(a, "채소") == {kept["id"]}
-    assert found(a, "cucumber") == set()
-    assert found(b, "aubergine") == {kept["id"]}
+    finds(a, "채소", {kept["id"]})
+    finds(a, "cucumber", set())
+    finds(b, "aubergine", {kept["id"]})
+
+
+def indexed_texts(server: LiveServer) -> set[str]:
+    """What the server's own search index holds now, read from its file (no search asked of it)."""
+    path = server.data_dir / "search-redis.sqlite3"
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        return {text for (text,) in db.execute("SELECT text FROM docs")}
+
+
+def test_each_servers_index_follows_the_others_changes_without_being_searched(pair, sim):
+    """Search followed Redis only on the request path: each search first re-read the person's
+    changed conversations. Now every process's index follows the store's change feed."""
+    a, b = pair
+    sim.enqueue(Script(steps=[steps.Text("Parsnips keep well in sand.")]))
+    conv = httpx.post(f"{a.base_url}/api/conversations", json={}).json()
+    assert "event: done" in httpx.post(f"{a.base_url}/api/conversations/{conv['id']}/messages",
+                                       json={"content": "how do I store parsnips"}, timeout=10).text
+    deadline = time.monotonic() + 10
+    while "Parsnips keep well in sand." not in indexed_texts(b):
+        assert time.monotonic() < deadline, "B's index never heard of A's reply"
+        time.sleep(0.05)
+    assert httpx.delete(f"{a.base_url}/api/conversations/{conv['id']}").status_code == 204
+    while indexed_texts(b):
+        assert time.monotonic() < deadline, "B's index kept a conversation A deleted"
+        time.sleep(0.05)
 
 
 def test_a_turn_running_on_one_server_is_409_on_the_other(pair, sim):

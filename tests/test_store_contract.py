@@ -248,3 +248,23 @@ async def test_rewrites_that_are_not_appends(store):
     assert [m["content"] for m in fresh["messages"]] == ["edited in place", "m5"]
     assert [m["content"] for m in fresh["archive"]] == ["m0", "m1", "m2", "m3"]
     assert fresh["summary"] == "four messages folded"
+
+
+async def test_changes_tell_every_write_and_deletion_in_order(store):
+    """The feed search follows: subscribed before the writes, it hears each one (from any instance
+    on the same data for Redis), checkpoints marked as such, then the deletion."""
+    feed = await store.changes()
+    mine = store.for_owner("alice")
+    conv = await mine.create(conversation())
+    streaming = {**message("part", "assistant"), "status": "streaming"}
+    await mine.update(conv["id"], append(streaming))
+    await mine.delete(conv["id"])
+    seen = []
+    async with asyncio.timeout(10):
+        while not seen or not seen[-1].deleted:
+            change = await anext(feed)
+            seen.append(change)
+    await feed.aclose()
+    assert {(c.owner, c.conv_id) for c in seen} == {("alice", conv["id"])}
+    assert [c.streaming for c in seen] == [False, True, False]
+    assert [c.deleted for c in seen] == [False, False, True]

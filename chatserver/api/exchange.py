@@ -1,19 +1,13 @@
 """Routes for search, export and import: `GET /api/search`, `GET /api/conversations/{id}/export`,
 `POST /api/import`.
 
-With the file store, the search index is opened at start-up (`open_index`) and brought in line
-with the store in the background, so a server that ran without it, or crashed before its last
-index write, still finds everything; from then on `IndexFollower` keeps it in step with every
-change the store makes. Redis tells a process nothing of the changes other processes make, so
-there each search first brings the person's part of the index in line (`SyncedSearch`).
+Search reads the index `search/follow.py` keeps in step with the store's changes (any process's).
 Conversations are read and made through the owner-scoped store, like every other route.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from pathlib import Path
 from typing import Annotated, Literal
 
 import anyio
@@ -24,8 +18,7 @@ from chatserver.api.deps import OwnerStoreDep, StateDep
 from chatserver.api.quota import check_conversations
 from chatserver.conversations import exchange, pii
 from chatserver.conversations.document import new_id, now_iso
-from chatserver.search.index import IndexFollower, SearchIndex
-from chatserver.store.files import FileStore, NotFound, OwnerStore
+from chatserver.search.follow import FollowedSearch
 
 log = logging.getLogger("chat.exchange")
 
@@ -35,80 +28,11 @@ SYNCED_INDEX_FILE = "search-redis.sqlite3"  # never the file store's: switching 
 router = APIRouter()
 
 
-class FollowedSearch:
-    """Search over the file store, whose every change the index is told of as it is made."""
-
-    def __init__(self, index: SearchIndex, ready: asyncio.Task) -> None:
-        self.index, self.ready = index, ready
-
-    async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
-        await asyncio.shield(self.ready)  # the start-up catch-up
-        return await self.index.search(store.owner, q, limit)
-
-    async def close(self) -> None:
-        self.ready.cancel()
-        await self.index.close()
-
-
-class SyncedSearch:
-    """Search over a store that other processes write too (Redis): each search first re-indexes the
-    person's conversations whose `updated_at` is not the one the index holds, and forgets the gone.
-
-    Listing is one round trip and an unchanged conversation costs nothing more, so a search sees
-    every change made on any server without a feed of changes to follow.
-    """
-
-    def __init__(self, index: SearchIndex) -> None:
-        self.index = index
-
-    async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
-        listed = {c["id"]: c["updated_at"] for c in await store.list()}
-        known = await self.index.stamps(store.owner)
-        for conv_id in known.keys() - listed.keys():
-            self.index.remove_conversation(store.owner, conv_id)
-        for conv_id, updated_at in listed.items():
-            if known.get(conv_id) == updated_at:
-                continue
-            try:
-                self.index.index_conversation(store.owner, await store.get(conv_id))
-            except NotFound:
-                continue  # deleted since the listing
-        return await self.index.search(store.owner, q, limit)
-
-    async def close(self) -> None:
-        await self.index.close()
-
-
-async def open_index(files: FileStore) -> FollowedSearch:
-    """The index beside the store's files, bringing itself in line with them in the background."""
-    index = SearchIndex(files.root / INDEX_FILE)
-    await index.open()
-    follower = IndexFollower(index)
-    files.observers.append(follower)
-
-    async def catch_up() -> SearchIndex:
-        convs = await anyio.to_thread.run_sync(files.load_all)
-        pairs = [(conv["owner"], conv) for conv in convs]
-        await (index.reconcile(pairs) if await index.is_built() else index.rebuild(pairs))
-        follower.seen_all(convs)
-        return index
-
-    return FollowedSearch(index, asyncio.create_task(catch_up()))
-
-
-async def open_synced_index(data_dir: Path) -> SyncedSearch:
-    """The index in DATA_DIR, brought in line with the store by each search (servers sharing
-    DATA_DIR share the file; SQLite takes their writes one at a time)."""
-    index = SearchIndex(data_dir / SYNCED_INDEX_FILE)
-    await index.open()
-    return SyncedSearch(index)
-
-
-def get_search(request: Request) -> FollowedSearch | SyncedSearch:
+def get_search(request: Request) -> FollowedSearch:
     return request.app.state.search
 
 
-SearchDep = Annotated[FollowedSearch | SyncedSearch, Depends(get_search)]
+SearchDep = Annotated[FollowedSearch, Depends(get_search)]
 
 
 @router.get("/api/search")

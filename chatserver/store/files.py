@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 import anyio
 import orjson
@@ -429,6 +429,42 @@ class Store(Protocol):
     async def owners(self) -> set[str]:
         """Everyone who may have conversations or a memory here."""
 
+    async def changes(self) -> AsyncGenerator[StoreChange, None]:
+        """Every change from now on, made by any process that shares the store, in order; the
+        feed is subscribed by the time this returns (so a catch-up read after it misses nothing)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoreChange:
+    """A conversation stored or deleted. `conv` is the stored document when the store has it at
+    hand (else read it: it may have changed again since); `streaming`: a checkpoint of a reply
+    still being written."""
+
+    owner: str
+    conv_id: str
+    deleted: bool = False
+    streaming: bool = False
+    conv: dict | None = None
+
+
+def is_checkpoint(conv: dict) -> bool:
+    messages = conv.get("messages") or []
+    return bool(messages) and messages[-1].get("status") == "streaming"
+
+
+class _Feed:
+    """One `changes()` follower of the file store: told on the event loop, read in order."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[StoreChange] = asyncio.Queue()
+
+    def changed(self, owner: str, conv: dict) -> None:
+        self.queue.put_nowait(StoreChange(owner, conv["id"], streaming=is_checkpoint(conv), conv=conv))
+
+    def removed(self, owner: str, conv_id: str) -> None:
+        self.queue.put_nowait(StoreChange(owner, conv_id, deleted=True))
+
 
 class StoreObserver(Protocol):
     def changed(self, owner: str, conv: dict) -> None: ...
@@ -738,6 +774,19 @@ class FileStore:
     async def every_conversation(self) -> AsyncIterator[dict]:
         for conv in await asyncio.to_thread(self.load_all):
             yield conv
+
+    async def changes(self) -> AsyncGenerator[StoreChange, None]:
+        feed = _Feed()
+        self.observers.append(feed)
+
+        async def follow() -> AsyncGenerator[StoreChange, None]:
+            try:
+                while True:
+                    yield await feed.queue.get()
+            finally:
+                self.observers.remove(feed)
+
+        return follow()
 
     async def owners(self) -> set[str]:
         users = self.root / "users"

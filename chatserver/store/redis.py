@@ -47,7 +47,7 @@ import re
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,7 +58,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chatserver.conversations.document import (
@@ -76,10 +76,12 @@ from chatserver.store.files import (
     Change,
     LockLost,
     NotFound,
+    StoreChange,
     StoreUnavailable,
     TurnBusy,
     TurnLock,
     _check_owner,
+    is_checkpoint,
 )
 from chatserver.upstream.failures import redact_json
 
@@ -89,6 +91,10 @@ LISTS = tuple(SEALED_LISTS)  # the fields that only grow at their end: stored as
 KV_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 # How often a write computed from a version another process replaced meanwhile is recomputed.
 MAX_ATTEMPTS = 50
+# The changes stream keeps about this many changes; each process's search follows it.
+CHANGES_KEPT = 10_000
+CHANGES_BLOCK_MS = 1000  # one XREAD waits this long for a change before asking again
+CHANGES_RETRY_SECONDS = 1.0  # between two attempts while Redis is away
 RECHECK = SEGMENT_MESSAGES  # the newest stored items a write checks for edits in place
 CACHED_CONVERSATIONS = 1000
 EVENTS_TTL_MS = 3_600_000  # a turn's event stream outlives its latest event by this much at most
@@ -112,9 +118,10 @@ class FencedTurnLock(TurnLock):
         return f"{self.fence}:{self.token}"
 
 
-# KEYS: conv hash, messages, archive, owner index, fence. ARGV: expected version ("" = any, for
-# create), fence ("" = no lock), nonce, owner, head, summary, score, ttl ms ("0" = none), lists,
-# conv id, then per list: how many stored items to keep (-1 all, -2 none: not a list), count, the items.
+# KEYS: conv hash, messages, archive, owner index, fence, changes. ARGV: expected version ("" = any,
+# for create), fence ("" = no lock), nonce, owner, head, summary, score, ttl ms ("0" = none), lists,
+# conv id, "1" for a checkpoint (else "0"), then per list: how many stored items to keep (-1 all,
+# -2 none: not a list), count, the items. The change is told on the changes stream in the same step.
 WRITE = """
 local h = KEYS[1]
 if ARGV[1] ~= '' then
@@ -128,7 +135,8 @@ end
 if ARGV[2] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[2] then return -3 end
 local version = redis.call('HINCRBY', h, 'version', 1)
 redis.call('HSET', h, 'head', ARGV[5], 'owner', ARGV[4], 'summary', ARGV[6], 'nonce', ARGV[3], 'lists', ARGV[9])
-local i = 11
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', CHANGES_KEPT, '*', 'o', ARGV[4], 'c', ARGV[10], 's', ARGV[11])
+local i = 12
 for k = 2, 3 do
   local keep, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
   i = i + 2
@@ -170,11 +178,12 @@ end
 return out
 """
 
-# KEYS: conv hash, messages, archive, fence, lock, owner index, beat. ARGV: owner, conv id.
+# KEYS: conv hash, messages, archive, fence, lock, owner index, beat, changes. ARGV: owner, conv id.
 DELETE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -2 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
 redis.call('ZREM', KEYS[6], ARGV[2])
+redis.call('XADD', KEYS[8], 'MAXLEN', '~', CHANGES_KEPT, '*', 'o', ARGV[1], 'c', ARGV[2], 'd', '1')
 return 1
 """
 
@@ -327,10 +336,10 @@ class RedisStore:
             # A pooled connection Redis closed (a restart) fails once; a quick retry on a fresh one.
             # A timeout is not retried: a Redis that hangs should fail the request, not triple its wait.
             retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2), retry_on_error=[RedisConnectionError])
-        self._write = self.redis.register_script(WRITE)
+        self._write = self.redis.register_script(WRITE.replace("CHANGES_KEPT", str(CHANGES_KEPT)))
         self._load = self.redis.register_script(LOAD)
         self._list = self.redis.register_script(LIST)
-        self._delete = self.redis.register_script(DELETE)
+        self._delete = self.redis.register_script(DELETE.replace("CHANGES_KEPT", str(CHANGES_KEPT)))
         self._lock = self.redis.register_script(LOCK)
         self._unlock = self.redis.register_script(UNLOCK)
         self._renew = self.redis.register_script(RENEW)
@@ -362,6 +371,35 @@ class RedisStore:
 
     def beat_key(self, conv_id: str) -> str:
         return f"{self.prefix}beat:{conv_id}"
+
+    def changes_key(self) -> str:
+        return f"{self.prefix}changes"
+
+    async def changes(self) -> AsyncGenerator[StoreChange, None]:
+        """Followed from the stream's end as it is now: every process's writes, in order. While
+        Redis is away the follower waits and goes on from where it was; a follower that falls more
+        than CHANGES_KEPT changes behind misses the oldest (a restart's catch-up reads everything)."""
+        with self.reachable():
+            newest = await self.redis.xrevrange(self.changes_key(), count=1)
+        after = newest[0][0] if newest else b"0-0"
+
+        async def follow() -> AsyncGenerator[StoreChange, None]:
+            nonlocal after
+            while True:
+                try:
+                    answer = await self.redis.xread({self.changes_key(): after}, count=500, block=CHANGES_BLOCK_MS)
+                except (RedisError, OSError) as exc:
+                    log.warning("following the store's changes paused: %s", exc)
+                    await asyncio.sleep(CHANGES_RETRY_SECONDS)
+                    continue
+                for _, entries in answer:
+                    for entry_id, fields in entries:
+                        after = entry_id
+                        owner, conv_id = fields[b"o"].decode(), fields[b"c"].decode()
+                        yield StoreChange(owner, conv_id, deleted=fields.get(b"d") == b"1",
+                                          streaming=fields.get(b"s") == b"1")
+
+        return follow()
 
     def running_key(self) -> str:
         return f"{self.prefix}running"
@@ -489,13 +527,13 @@ class RedisStore:
         lists = [name for name in LISTS if isinstance(conv.get(name), list)]
         args: list = [expected.version if expected else "", fence, nonce or new_id(), owner, redact_json(orjson.dumps(head)),
                       orjson.dumps(summary_of(conv)), _score(conv["updated_at"]), self.ttl_ms,
-                      orjson.dumps(lists), conv_id]
+                      orjson.dumps(lists), conv_id, "1" if is_checkpoint(conv) else "0"]
         stored: dict[str, _Stored | None] = {}
         for name in LISTS:
             keep, stored[name], pushed = _plan(expected.lists[name] if expected else None, conv.get(name),
                                           expected is not None)
             args += [keep, len(pushed), *pushed]
-        keys = [*self._conv_keys(conv_id), self.index_key(owner), self.fence_key(conv_id)]
+        keys = [*self._conv_keys(conv_id), self.index_key(owner), self.fence_key(conv_id), self.changes_key()]
         with self.reachable():
             # Shielded: a caller cancelled meanwhile (Stop) must not leave the write half-sent.
             version = await asyncio.shield(self._write(keys=keys, args=args))
@@ -853,7 +891,7 @@ class RedisOwnerStore:
             raise NotFound(conv_id)
         s = self.store
         keys = [*s._conv_keys(conv_id), s.fence_key(conv_id), s.lock_key(conv_id), s.index_key(self.owner),
-                s.beat_key(conv_id)]
+                s.beat_key(conv_id), s.changes_key()]
         with s.reachable():
             done = await s._delete(keys=keys, args=[self.owner, conv_id])
         s._cache.pop(conv_id, None)
