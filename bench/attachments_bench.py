@@ -181,7 +181,7 @@ async def main(data: bytes) -> dict:
     rng = random.Random(SEED + 1)
     pdfium_rate, pypdf_rate = raw_rates(data)
     with tempfile.TemporaryDirectory() as tmp:
-        store = att.Attachments(Path(tmp) / "attachments")
+        store = att.Attachments(Path(tmp) / "attachments", Path(tmp) / "index")
         scope = att.conversation_scope("benchconversation")
         upload = Path(tmp) / "report.pdf"
         upload.write_bytes(data)

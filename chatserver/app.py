@@ -96,8 +96,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             expiry = asyncio.create_task(expire_untouched(files, active.conversation_ttl_days, app.state.expiry_pass))
         # Each process keeps its own index, following every process's changes.
         index_file = exchange_routes.INDEX_FILE if files is not None else exchange_routes.SYNCED_INDEX_FILE
-        app.state.search = await open_search(store, active.data_dir / index_file)
-        attachments = Attachments(active.data_dir / "attachments", Limits(
+        app.state.search = await open_search(store, active.index_dir / index_file)
+        attachments = Attachments(active.data_dir / "attachments", active.index_dir, Limits(
             max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
             timeout=active.extract_timeout, max_mb=active.extract_max_mb, workers=active.extract_workers,
             queue=active.extract_queue, quota_bytes=active.quota_file_bytes,

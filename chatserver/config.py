@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     turn_lock_seconds: float = Field(30.0, ge=0.3)
     # STORE=redis: a running turn's heartbeat; three missed and other servers end its followers as interrupted.
     heartbeat_seconds: float = Field(1.0, ge=0.1, le=60)
+    # This server's own search indexes (conversations, attachment passages): a cache on local disk,
+    # never shared between servers, rebuilt from the store when missing. Default: DATA_DIR/index.
+    search_index_dir: Path | None = None
 
     auth: Literal["none", "password", "header"] = "none"
     auth_header: str = "X-Forwarded-User"
@@ -158,7 +161,7 @@ class Settings(BaseSettings):
     default_tool_runtime: Literal["gateway", "local", "none"] = "gateway"
 
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url",
-                     "conversation_ttl_days", mode="before")
+                     "conversation_ttl_days", "search_index_dir", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
@@ -227,6 +230,10 @@ class Settings(BaseSettings):
             return ipaddress.ip_address(self.host.strip("[]")).is_loopback
         except ValueError:
             return False
+
+    @property
+    def index_dir(self) -> Path:
+        return self.search_index_dir or self.data_dir / "index"
 
     @property
     def gateway_configured(self) -> bool:

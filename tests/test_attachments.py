@@ -351,7 +351,7 @@ async def test_an_html_upload_downloads_as_plain_text(api, client):
 
 async def test_page_cap_and_time_limit(tmp_path):
     pdf = tmp_path / "in.pdf"
-    capped = Attachments(tmp_path / "capped", Limits(max_pages=3))
+    capped = Attachments(tmp_path / "capped", tmp_path / "index", Limits(max_pages=3))
     pdf.write_bytes(make_pdf(TOPICS))
     meta = await capped.ingest(att.conversation_scope("conversation1"), "r.pdf", pdf, "local")
     assert (meta["pages"], meta["pages_read"]) == (10, 3)
@@ -362,7 +362,7 @@ async def test_page_cap_and_time_limit(tmp_path):
     finally:
         att.attachment_scope.reset(token)
 
-    slow = Attachments(tmp_path / "slow", Limits(timeout=0.001))
+    slow = Attachments(tmp_path / "slow", tmp_path / "index", Limits(timeout=0.001))
     pdf.write_bytes(make_pdf(TOPICS * 30))
     with pytest.raises(att.Unreadable, match="took longer"):
         await slow.ingest(att.conversation_scope("conversation1"), "r.pdf", pdf, "local")
@@ -422,7 +422,7 @@ async def test_unknown_conversations_and_bodies_that_are_not_multipart(client, s
 
 
 def test_sweep_removes_old_leftovers_only(tmp_path):
-    attachments = Attachments(tmp_path / "attachments")
+    attachments = Attachments(tmp_path / "attachments", tmp_path / "index")
     _, fresh = attachments.incoming_file()
     _, old = attachments.incoming_file()
     staging = tmp_path / "attachments" / "conversation1" / ".staging-abcdefgh"

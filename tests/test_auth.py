@@ -602,7 +602,7 @@ async def a_person_with_data(client, sim, password: str, word: str) -> dict:
 
 
 def index_rows(data: Path, owner: str) -> int:
-    with contextlib.closing(sqlite3.connect(data / "search.sqlite3")) as db:
+    with contextlib.closing(sqlite3.connect(data / "index" / "search.sqlite3")) as db:
         return sum(db.execute(f"SELECT count(*) FROM {table} WHERE owner = ?", (owner,)).fetchone()[0]
                    for table in ("convs", "docs"))
 

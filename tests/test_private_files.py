@@ -43,7 +43,7 @@ async def test_the_search_index_and_checkpoints_are_private_like_the_conversatio
         assert (await client.get("/api/search", params={"q": "slowly"})).json()
 
         [conversation] = conversations.rglob(f"{conv['id']}.json")
-        index_files = sorted(settings.data_dir.glob("search.sqlite3*"))
+        index_files = sorted((settings.data_dir / "index").glob("search.sqlite3*"))
         assert [p.name for p in index_files][:1] == ["search.sqlite3"]
         assert {p.name: mode(p) for p in index_files} == {p.name: mode(conversation) for p in index_files}
         assert mode(conversation) == 0o600

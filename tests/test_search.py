@@ -13,7 +13,7 @@ from chatserver.config import Settings
 from chatserver.conversations.document import new_id, now_iso
 from chatserver.search import index as search_index
 from chatserver.search.index import SearchIndex
-from chatserver.store.files import SEAL_AFTER
+from chatserver.store.files import SEAL_AFTER, FileStore
 from gateway_sim.simulator import Script, Usage, steps
 
 
@@ -233,10 +233,11 @@ async def test_a_restart_indexes_what_was_saved_while_the_index_missed_it(app, a
     conv = await api.new()
     assert (await client.get("/api/search", params={"q": "wombat"})).json() == []  # the index is built
     added = {"id": new_id(), "role": "user", "content": "a wombat in the garden", "created_at": now_iso()}
-    # Saved, but the index write never happened (a crash between the two).
-    app.state.chat.store.observers.clear()
-    await app.state.chat.store.for_owner("local").update(conv["id"], lambda c: c["messages"].append(added))
+    # Saved where this server's index never hears of it (as by a process that crashed before its index write).
     await app.state.chat.store.flush()
+    elsewhere = FileStore(settings.data_dir)
+    await elsewhere.for_owner("local").update(conv["id"], lambda c: c["messages"].append(added))
+    await elsewhere.flush()
 
     restarted = create_app(settings)
     async with restarted.router.lifespan_context(restarted):

@@ -95,7 +95,7 @@ def test_each_server_finds_what_the_other_wrote_and_forgets_what_it_deleted(pair
 
 def indexed_texts(server: LiveServer) -> set[str]:
     """What the server's own search index holds now, read from its file (no search asked of it)."""
-    path = server.data_dir / "search-redis.sqlite3"
+    path = server.data_dir / "index" / "search-redis.sqlite3"
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         return {text for (text,) in db.execute("SELECT text FROM docs")}
 

@@ -101,7 +101,7 @@ async def remove_data(settings: Settings, owner: str) -> int:
     from chatserver.app import make_store
 
     store = make_store(settings)
-    attachments = Attachments(settings.data_dir / "attachments")
+    attachments = Attachments(settings.data_dir / "attachments", settings.index_dir)
     try:
         mine = store.for_owner(owner)
         conv_ids = [c["id"] for c in await mine.list()]
@@ -112,7 +112,7 @@ async def remove_data(settings: Settings, owner: str) -> int:
         await mine.forget_memory()
         presets_for(settings.data_dir, owner).path.unlink(missing_ok=True)
         for name in (INDEX_FILE, SYNCED_INDEX_FILE):
-            await _forget_in_index(settings.data_dir / name, owner, conv_ids)
+            await _forget_in_index(settings.index_dir / name, owner, conv_ids)
     finally:
         attachments.close()
         await store.close()

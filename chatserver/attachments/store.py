@@ -66,7 +66,7 @@ MEDIA_DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.doc
 NAME_MAX = 255
 PASSAGE_CHARS = 1000  # what one search hit shows
 SEARCH_HITS = 5
-INDEX_FILE = "passages.sqlite3"  # DATA_DIR/attachments/passages.sqlite3
+INDEX_FILE = "passages.sqlite3"  # in SEARCH_INDEX_DIR
 READ_MAX_CHARS = 20_000  # one read_attachment answer (~5k tokens)
 # Owner names become one directory level under library/, so they are held to this.
 _OWNER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
@@ -354,14 +354,14 @@ class Attachments:
     Caches are per process and invalidated by this process's uploads and deletes.
     """
 
-    def __init__(self, root: Path, limits: Limits = Limits()) -> None:
+    def __init__(self, root: Path, index_dir: Path, limits: Limits = Limits()) -> None:
         self.root = root
         self.limits = limits
         self.incoming = root / ".incoming"
         self.extractor = Extractor(limits.max_mb, limits.timeout, limits.workers, limits.queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="attachments")
         self._metas: dict[str, list[dict]] = {}
-        self.search_index = SearchIndex(root / INDEX_FILE)
+        self.search_index = SearchIndex(index_dir / INDEX_FILE)
         self._indexing: dict[str, asyncio.Future] = {}
 
     def _dir(self, scope: Scope) -> Path:
