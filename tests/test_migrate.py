@@ -9,6 +9,7 @@ from pathlib import Path
 
 import redis as sync_redis
 
+from chatserver.conversations.presets import Presets
 from chatserver.store.files import SEAL_AFTER, FileStore
 from chatserver.store.redis import RedisStore
 from redis_support import unique_prefix
@@ -36,6 +37,8 @@ async def make_source(data_dir: Path) -> FileStore:
     await bob.update(long["id"], lambda c: c["messages"].extend(message(f"m{i}") for i in range(SEAL_AFTER + 7)))
     await alice.write_memory("이름: 민수\n")
     await bob.write_memory("likes tea")
+    await Presets(bob, ["remember"]).create("Tea", "You know tea.", ["remember"])
+    await Presets(files.for_owner("carol"), []).create("Only presets", "Carol has nothing else.", [])
     await files.write_custom_models([{"id": "mine", "tier": "fast"}])
     await files.flush()
     assert (data_dir / "conversations" / f"{long['id']}.earlier").is_dir()  # the long one is sealed
@@ -50,7 +53,7 @@ async def test_round_trip_files_redis_files(tmp_path, redis_server):
     redis_args = ["--redis-url", redis_server.url, "--redis-prefix", prefix]
 
     out = run_migrate("--from", "files", "--to", "redis", "--data-dir", str(source_dir), *redis_args)
-    assert "3 conversations, 2 memories, 1 custom models" in out
+    assert "3 conversations, 2 memories, 2 presets, 1 custom models" in out
     r = sync_redis.Redis.from_url(redis_server.url)
     keys_once = sorted(r.scan_iter(match=f"{prefix}*"))
     lengths_once = {k: r.llen(k) for k in keys_once if k.endswith(b":messages")}
@@ -72,7 +75,8 @@ async def test_round_trip_files_redis_files(tmp_path, redis_server):
         if len(conv["messages"]) < SEAL_AFTER:
             name = f"{conv['id']}.json"
             assert (back_dir / "conversations" / name).read_bytes() == before[name]
-    for relative in ("memory.md", "users/bob/memory.md", "models.json"):
+    for relative in ("memory.md", "users/bob/memory.md", "users/bob/presets.json", "users/carol/presets.json",
+                     "models.json"):
         assert (back_dir / relative).read_bytes() == (source_dir / relative).read_bytes()
     assert sorted(p.name for p in (back_dir / "conversations").glob("*.json")) == sorted(before)
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from chatserver.conversations.presets import Presets
+from chatserver.store.files import FileStore
 from chatserver.tools import registry as tools
 
 
@@ -105,14 +106,14 @@ async def test_a_damaged_presets_file_is_left_untouched(client, settings):
     assert path.read_text() == "{not json"
 
 
-def test_tools_a_server_does_not_register_are_left_out_when_reading(tmp_path):
+async def test_tools_a_server_does_not_register_are_left_out_when_reading(tmp_path):
     builtin = tmp_path / "builtin"
     builtin.mkdir()
     (builtin / "helper.txt").write_text("Be helpful.\n")
     (builtin / "presets.json").write_text(json.dumps({"_about": "comment", "helper": {
         "tools": ["remember", "search_attachments"], "model": "vendor/model"}}))
-    presets = Presets(tmp_path / "data", ["remember", "web_fetch"], builtin_dir=builtin)
-    assert [p.out() for p in presets.entries()] == [
+    presets = Presets(FileStore(tmp_path / "data").for_owner("local"), ["remember", "web_fetch"], builtin_dir=builtin)
+    assert [p.out() for p in await presets.entries()] == [
         {"name": "helper", "text": "Be helpful.", "tools": ["remember"], "builtin": True, "model": "vendor/model"}]
 
 

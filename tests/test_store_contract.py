@@ -268,3 +268,23 @@ async def test_changes_tell_every_write_and_deletion_in_order(store):
     assert {(c.owner, c.conv_id) for c in seen} == {("alice", conv["id"])}
     assert [c.streaming for c in seen] == [False, True, False]
     assert [c.deleted for c in seen] == [False, False, True]
+
+
+async def test_presets_are_per_owner_and_changed_in_one_step(store):
+    """Each person's presets document; concurrent changes all land (none computed from a stale read)."""
+    alice, bob = store.for_owner("alice"), store.for_owner("bob")
+    assert await alice.read_presets() is None
+
+    async def add(name: str) -> None:
+        await alice.update_presets(lambda raw: b"%s,%s" % (raw or b"", name.encode()))
+
+    await asyncio.gather(*(add(f"p{i}") for i in range(10)))
+    stored = (await (await reopened(store)).for_owner("alice").read_presets()).split(b",")
+    assert sorted(stored[1:]) == sorted(f"p{i}".encode() for i in range(10))
+    assert await bob.read_presets() is None
+
+    with pytest.raises(RuntimeError):
+        await alice.update_presets(lambda raw: (_ for _ in ()).throw(RuntimeError("refused")))
+    assert (await alice.read_presets()).count(b",") == 10
+    await alice.forget_presets()
+    assert await alice.read_presets() is None

@@ -24,7 +24,6 @@ from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS, BadAccount
 from chatserver.api.exchange import INDEX_FILE, SYNCED_INDEX_FILE
 from chatserver.attachments.store import Attachments, conversation_scope, library_scope
 from chatserver.config import Settings, get_settings
-from chatserver.conversations.presets import presets_for
 from chatserver.search.index import SearchIndex
 from chatserver.store.files import StoreUnavailable
 
@@ -110,7 +109,7 @@ async def remove_data(settings: Settings, owner: str) -> int:
             await attachments.delete_scope(conversation_scope(conv_id))
         await attachments.delete_scope(library_scope(owner))
         await mine.forget_memory()
-        presets_for(settings.data_dir, owner).path.unlink(missing_ok=True)
+        await mine.forget_presets()
         for name in (INDEX_FILE, SYNCED_INDEX_FILE):
             await _forget_in_index(settings.index_dir / name, owner, conv_ids)
     finally:

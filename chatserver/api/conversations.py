@@ -53,13 +53,13 @@ class Conflict(Exception):
     """The request cannot run now (a turn is streaming, or there is nothing to act on)."""
 
 
-def default_settings(settings: Settings, preset_name: str | None, owner: str) -> dict:
+async def default_settings(settings: Settings, preset_name: str | None, store: OwnerStore) -> dict:
     """A new conversation's settings: its preset's persona and tools, web tools off unless configured on."""
-    presets = presets_for(settings.data_dir, owner)
+    presets = presets_for(store)
     try:
-        preset = presets.get(preset_name or "default")
+        preset = await presets.get(preset_name or "default")
     except PresetNotFound:
-        preset = presets.get("default")
+        preset = await presets.get("default")
     return {
         "preset": preset.name,
         "system_prompt": preset.text,
@@ -142,7 +142,7 @@ async def create_conversation(state: StateDep, store: OwnerStoreDep,
         "id": new_id(), "title": NEW_TITLE,
         "model": model,
         "created_at": created, "updated_at": created,
-        "settings": default_settings(state.settings, body.preset, store.owner),
+        "settings": await default_settings(state.settings, body.preset, store),
     })
     return await conversation_out(state, store, conv, 201)
 
@@ -192,7 +192,7 @@ async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str 
     """Why `patch.tools` cannot be set: a tool that does not exist, or one the person's preset does not allow."""
     preset_name = patch.preset or (await store.get(conv_id))["settings"].get("preset") or "default"
     try:
-        allowed = presets_for(state.settings.data_dir, store.owner).get(preset_name).tools
+        allowed = (await presets_for(store).get(preset_name)).tools
     except PresetNotFound:
         return f"the preset {preset_name!r} does not exist"
     unknown = [n for n in patch.tools if n not in tools.registry]

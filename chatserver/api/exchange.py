@@ -62,6 +62,8 @@ async def export_conversation(conv_id: str, store: OwnerStoreDep,
 @router.post("/api/import", status_code=201)
 async def import_conversations(file: UploadFile, state: StateDep, store: OwnerStoreDep) -> Response:
     """Every conversation in the uploaded file, or 422 with the reason and nothing stored."""
+    from chatserver.api.conversations import default_settings
+
     if file.size is not None and file.size > exchange.MAX_IMPORT_BYTES:
         return JSONResponse({"detail": f"the file is over {exchange.MAX_IMPORT_BYTES // 2**20} MB"}, status_code=422)
     raw = await file.read()
@@ -72,9 +74,10 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
     lineup = {m.id for m in await state.lineup()}
     await check_conversations(state.settings.quota_conversations, store, len(imported))
     ids, warnings = [], []
+    settings = await default_settings(state.settings, None, store)
     for conv in imported:
         replaced = model_replaced(conv["model"], lineup, state.settings.default_model)
-        stored = stored_conversation(conv, state, store.owner, replaced)
+        stored = stored_conversation(conv, state, settings, replaced)
         if state.settings.pii_masking == "on":
             await anyio.to_thread.run_sync(pii.mask_conversation, stored)
         created = await store.create(stored)
@@ -93,13 +96,12 @@ def model_replaced(model: str | None, lineup: set[str], default: str) -> str | N
             f"model lineup: it answers with {default} (change it in the model picker).")
 
 
-def stored_conversation(conv: exchange.ImportedConversation, state, owner: str, replaced: str | None = None) -> dict:
+def stored_conversation(conv: exchange.ImportedConversation, state, settings: dict,
+                        replaced: str | None = None) -> dict:
     """A new stored conversation from an imported tree, in the store's branch model (branches.py):
     the current path in `archive` (what the export said compression had folded) and `messages`,
     every other branch in `off_path`. `replaced`: the notice saying its model was replaced by the
-    default one, put at the end of the path."""
-    from chatserver.api.conversations import default_settings
-
+    default one, put at the end of the path; `settings`, a new conversation's (`default_settings`)."""
     nodes = [dict(n) for n in conv["nodes"]]
     path = exchange.current_path(nodes, conv["current"])
     folded = set(conv.get("folded", []))
@@ -124,7 +126,7 @@ def stored_conversation(conv: exchange.ImportedConversation, state, owner: str, 
         "id": new_id(), "title": conv["title"], "title_source": "imported",
         "model": conv["model"] if conv["model"] and not replaced else state.settings.default_model,
         "created_at": conv["created_at"], "updated_at": now_iso(),
-        "settings": default_settings(state.settings, None, owner),
+        "settings": dict(settings),
         "summary": summary,
         "messages": messages, "archive": archive,
         "off_path": [n for n in nodes if n["id"] not in on_path],

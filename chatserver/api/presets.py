@@ -2,7 +2,7 @@
 tools those presets choose from.
 
 Routes validate the body's shape (pydantic) and hand the rest to `presets.Presets`, whose errors
-carry the HTTP status they become. The data directory and the tool names come from `get_presets`,
+carry the HTTP status they become. The person's store and the tool names come from `get_presets`,
 a dependency the app can override.
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatserver.api.deps import OwnerDep
+from chatserver.api.deps import OwnerStoreDep
 from chatserver.conversations.presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets, presets_for
 from chatserver.tools import registry as tools
 
@@ -31,9 +31,9 @@ class PresetIn(BaseModel):
     model: str | None = Field(default=None, min_length=1, max_length=MODEL_MAX_CHARS)
 
 
-async def get_presets(request: Request, owner: OwnerDep) -> Presets:
+async def get_presets(store: OwnerStoreDep) -> Presets:
     """This person's presets (the built-in ones and their own), checked against the registered tools."""
-    return presets_for(request.app.state.chat.settings.data_dir, owner)
+    return presets_for(store)
 
 
 PresetsDep = Annotated[Presets, Depends(get_presets)]
@@ -53,7 +53,7 @@ def _answer(exc: PresetError) -> HTTPException:
 @router.get("/api/presets")
 async def list_presets(presets: PresetsDep) -> list[dict]:
     try:
-        return [p.out() for p in presets.entries()]
+        return [p.out() for p in await presets.entries()]
     except PresetError as exc:
         raise _answer(exc) from None
 
@@ -61,7 +61,7 @@ async def list_presets(presets: PresetsDep) -> list[dict]:
 @router.post("/api/presets", status_code=201)
 async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
     try:
-        return presets.create(body.name, body.text, body.tools, body.model).out()
+        return (await presets.create(body.name, body.text, body.tools, body.model)).out()
     except PresetError as exc:
         raise _answer(exc) from None
 
@@ -69,7 +69,7 @@ async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
 @router.put("/api/presets/{name}")
 async def replace_preset(name: str, body: PresetIn, presets: PresetsDep) -> dict:
     try:
-        return presets.update(name, body.name, body.text, body.tools, body.model).out()
+        return (await presets.update(name, body.name, body.text, body.tools, body.model)).out()
     except PresetError as exc:
         raise _answer(exc) from None
 
@@ -77,7 +77,7 @@ async def replace_preset(name: str, body: PresetIn, presets: PresetsDep) -> dict
 @router.delete("/api/presets/{name}", status_code=204)
 async def delete_preset(name: str, presets: PresetsDep) -> Response:
     try:
-        presets.delete(name)
+        await presets.delete(name)
     except PresetError as exc:
         raise _answer(exc) from None
     return Response(status_code=204)

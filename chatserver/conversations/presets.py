@@ -4,8 +4,9 @@ default model.
 Built-in presets are `presets/NAME.txt`, read-only; the file is exactly the persona text. Their tool
 lists and models live in the sidecar `presets/presets.json` (`{"NAME": {"tools": [...], "model"?:
 "id"}}`; keys starting with `_` are comments), so a .txt never carries anything but the prompt.
-Custom presets live in `DATA_DIR/presets.json` (`{"schema_version": 1, "presets": [...]}`),
-written atomically. Tool names are checked against the registry's names on every write; names a
+Custom presets are one document per person in the store (`{"schema_version": 1, "presets":
+[...]}`: `DATA_DIR/presets.json` with the file store, a key with Redis), changed in one step.
+Tool names are checked against the registry's names on every write; names a
 server does not register (yet) are left out on reading, so the shipped `default` can list the
 attachment tools before they exist.
 
@@ -16,16 +17,14 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 from chatserver.config import PACKAGE
-from chatserver.conversations.document import LOCAL_OWNER
-from chatserver.store.files import atomic_write, read_small_file
+from chatserver.store.files import OwnerStore, read_small_file
 from chatserver.tools import registry as tools
 
 log = logging.getLogger("chat.presets")
@@ -38,7 +37,6 @@ NAME_PATTERN = r"^[A-Za-z0-9 _-]{1,64}$"
 TEXT_MAX_CHARS = 50_000
 MODEL_MAX_CHARS = 200
 _NAME = re.compile(NAME_PATTERN)
-_write_lock = threading.Lock()
 
 
 class PresetError(Exception):
@@ -83,23 +81,18 @@ class Preset:
         return entry
 
 
-def presets_for(data_dir: Path, owner: str) -> Presets:
+def presets_for(store: OwnerStore) -> Presets:
     """This person's presets (the built-in ones and their own), checked against the registered tools:
     the one way every route and turn reads them."""
-    return Presets(data_dir, tools.registry.names(), owner=owner)
+    return Presets(store, tools.registry.names())
 
 
 class Presets:
-    """The built-in presets plus one person's custom ones, checked against known tool names.
+    """The built-in presets plus one person's custom ones (kept by their owner-scoped store, so
+    nobody sees or changes another's), checked against known tool names."""
 
-    The local person's (AUTH=none) live in the data directory itself, as they always did; each
-    account's in its own folder, so nobody sees or changes another's.
-    """
-
-    def __init__(self, data_dir: Path, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR,
-                 owner: str = LOCAL_OWNER) -> None:
-        home = Path(data_dir) if owner == LOCAL_OWNER else Path(data_dir) / "users" / owner
-        self.path = home / CUSTOM_FILE
+    def __init__(self, store: OwnerStore, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR) -> None:
+        self.store = store
         self.tool_names = tuple(tool_names)
         self.builtin_dir = builtin_dir
 
@@ -114,61 +107,74 @@ class Presets:
                               self._known(extra.get("tools", [])), extra.get("model") or None, True))
         return out
 
-    def custom(self) -> list[Preset]:
+    async def custom(self) -> list[Preset]:
         return [Preset(p["name"], p["text"], self._known(p["tools"]), p.get("model"), False)
-                for p in self._read_custom()]
+                for p in _parse(await self.store.read_presets())]
 
-    def entries(self) -> list[Preset]:
+    async def entries(self) -> list[Preset]:
         """Built-in presets first (by name), then custom ones (by name)."""
         builtin = self.builtin()
         taken = {p.name.casefold() for p in builtin}
-        return builtin + sorted((p for p in self.custom() if p.name.casefold() not in taken),
+        return builtin + sorted((p for p in await self.custom() if p.name.casefold() not in taken),
                                 key=lambda p: p.name.casefold())
 
-    def get(self, name: str) -> Preset:
-        for preset in self.entries():
+    async def get(self, name: str) -> Preset:
+        for preset in await self.entries():
             if preset.name == name:
                 return preset
         raise PresetNotFound(f"no preset named {name!r}")
 
     # Writing
 
-    def create(self, name: str, text: str, tools: Iterable[str], model: str | None = None) -> Preset:
+    async def create(self, name: str, text: str, tools: Iterable[str], model: str | None = None) -> Preset:
         preset = self._valid(name, text, tools, model)
-        with _write_lock:
-            if self._builtin_named(name):
-                raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be changed")
-            stored = self._read_custom()
+        if self._builtin_named(name):
+            raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be changed")
+
+        def add(stored: list[dict]) -> list[dict]:
             if any(p["name"].casefold() == name.casefold() for p in stored):
                 raise PresetExists(f"a preset named {name!r} already exists")
-            self._write(stored + [_stored(preset)])
+            return stored + [_stored(preset)]
+
+        await self._change(add)
         return preset
 
-    def update(self, name: str, new_name: str, text: str, tools: Iterable[str], model: str | None = None) -> Preset:
+    async def update(self, name: str, new_name: str, text: str, tools: Iterable[str],
+                     model: str | None = None) -> Preset:
         """Replace a custom preset (and rename it when `new_name` differs)."""
         preset = self._valid(new_name, text, tools, model)
-        with _write_lock:
-            if self._builtin_named(name) or self._builtin_named(new_name):
-                raise BuiltinPreset("built-in presets cannot be changed; save a copy under a new name")
-            stored = self._read_custom()
+        if self._builtin_named(name) or self._builtin_named(new_name):
+            raise BuiltinPreset("built-in presets cannot be changed; save a copy under a new name")
+
+        def replace(stored: list[dict]) -> list[dict]:
             index = next((i for i, p in enumerate(stored) if p["name"] == name), None)
             if index is None:
                 raise PresetNotFound(f"no custom preset named {name!r}")
             if any(i != index and p["name"].casefold() == new_name.casefold() for i, p in enumerate(stored)):
                 raise PresetExists(f"a preset named {new_name!r} already exists")
-            stored[index] = _stored(preset)
-            self._write(stored)
+            return [_stored(preset) if i == index else p for i, p in enumerate(stored)]
+
+        await self._change(replace)
         return preset
 
-    def delete(self, name: str) -> None:
-        with _write_lock:
-            if self._builtin_named(name):
-                raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be deleted")
-            stored = self._read_custom()
+    async def delete(self, name: str) -> None:
+        if self._builtin_named(name):
+            raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be deleted")
+
+        def remove(stored: list[dict]) -> list[dict]:
             kept = [p for p in stored if p["name"] != name]
             if len(kept) == len(stored):
                 raise PresetNotFound(f"no custom preset named {name!r}")
-            self._write(kept)
+            return kept
+
+        await self._change(remove)
+
+    async def _change(self, change: Callable[[list[dict]], list[dict]]) -> None:
+        def document(raw: bytes | None) -> bytes:
+            payload = {"schema_version": SCHEMA_VERSION, "presets": change(_parse(raw))}
+            return orjson.dumps(payload, option=orjson.OPT_INDENT_2)
+
+        await self.store.update_presets(document)
 
     # Internals
 
@@ -196,26 +202,23 @@ class Presets:
             raise InvalidPreset(f"the model id is over {MODEL_MAX_CHARS} characters")
         return Preset(name, text.strip(), names, model or None, False)
 
-    def _read_custom(self) -> list[dict]:
-        try:
-            data = orjson.loads(read_small_file(self.path))
-        except FileNotFoundError:
-            return []
-        except (OSError, orjson.JSONDecodeError) as exc:
-            log.error("damaged %s: %s", self.path, exc)
-            raise DamagedPresets(f"{CUSTOM_FILE} in the data directory is damaged ({exc}); it was left untouched") \
-                from None
-        presets = data.get("presets") if isinstance(data, dict) else None
-        if not isinstance(presets, list):
-            log.error("damaged %s: no presets list", self.path)
-            raise DamagedPresets(f"{CUSTOM_FILE} in the data directory is damaged (no presets list); "
-                                 "it was left untouched")
-        return [p for p in presets if isinstance(p, dict) and isinstance(p.get("name"), str)
-                and isinstance(p.get("text"), str) and isinstance(p.get("tools"), list)]
 
-    def _write(self, presets: list[dict]) -> None:
-        payload = {"schema_version": SCHEMA_VERSION, "presets": presets}
-        atomic_write(self.path, orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+
+def _parse(raw: bytes | None) -> list[dict]:
+    """The custom presets of a stored document; DamagedPresets (nothing changes) when it is unreadable."""
+    if raw is None:
+        return []
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        log.error("damaged custom presets: %s", exc)
+        raise DamagedPresets(f"the stored {CUSTOM_FILE} is damaged ({exc}); it was left untouched") from None
+    presets = data.get("presets") if isinstance(data, dict) else None
+    if not isinstance(presets, list):
+        log.error("damaged custom presets: no presets list")
+        raise DamagedPresets(f"the stored {CUSTOM_FILE} is damaged (no presets list); it was left untouched")
+    return [p for p in presets if isinstance(p, dict) and isinstance(p.get("name"), str)
+            and isinstance(p.get("text"), str) and isinstance(p.get("tools"), list)]
 
 
 def _stored(preset: Preset) -> dict:

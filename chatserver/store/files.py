@@ -387,6 +387,15 @@ class OwnerStore(Protocol):
     async def forget_memory(self) -> None:
         """Remove the memory altogether (the person is being removed)."""
 
+    async def read_presets(self) -> bytes | None:
+        """The stored document of the person's own presets (`conversations/presets.py` reads it), or None."""
+
+    async def update_presets(self, change: Callable[[bytes | None], bytes]) -> None:
+        """Replace the presets document with `change(current)`, as one step against other processes'
+        changes; an exception from `change` stores nothing."""
+
+    async def forget_presets(self) -> None: ...
+
     async def lock_turn(self, conv_id: str) -> TurnLock:
         """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
 
@@ -510,6 +519,7 @@ class FileStore:
         # Told of every change as it is made (e.g. the search index): `changed(owner, conv)`,
         # `removed(owner, conv_id)`; called without awaiting, so they must only queue work.
         self.observers: list[StoreObserver] = []
+        self._presets_lock = asyncio.Lock()
 
     def for_owner(self, owner: str) -> FileOwnerStore:
         return FileOwnerStore(self, _check_owner(owner))
@@ -519,6 +529,12 @@ class FileStore:
         if owner == LOCAL_OWNER:
             return self.root / "memory.md"
         return self.root / "users" / _check_owner(owner) / "memory.md"
+
+    def presets_path(self, owner: str) -> Path:
+        """Like the memory: the local person's in DATA_DIR itself, each account's in its own folder."""
+        if owner == LOCAL_OWNER:
+            return self.root / "presets.json"
+        return self.root / "users" / _check_owner(owner) / "presets.json"
 
     def _path(self, conv_id: str) -> Path:
         if not valid_id(conv_id):
@@ -899,6 +915,19 @@ class FileOwnerStore:
 
     async def forget_memory(self) -> None:
         self.files.memory_path(self.owner).unlink(missing_ok=True)
+
+    async def read_presets(self) -> bytes | None:
+        try:
+            return read_small_file(self.files.presets_path(self.owner))
+        except FileNotFoundError:
+            return None
+
+    async def update_presets(self, change: Callable[[bytes | None], bytes]) -> None:
+        async with self.files._presets_lock:  # one process owns the file store
+            atomic_write(self.files.presets_path(self.owner), change(await self.read_presets()))
+
+    async def forget_presets(self) -> None:
+        self.files.presets_path(self.owner).unlink(missing_ok=True)
 
     async def lock_turn(self, conv_id: str) -> TurnLock:
         self._mine(conv_id)

@@ -1,5 +1,5 @@
 """`python server.py migrate --from files --to redis` (or back): copy every conversation (each
-owner's), every owner's memory and the custom models from one store to the other.
+owner's), every owner's memory and presets, and the custom models from one store to the other.
 
 The copy is whole and repeatable: a conversation already in the target is replaced by the source's,
 never duplicated, and the source is left as it was. Conversations the target has and the source
@@ -26,7 +26,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 async def migrate(source: Store, target: Store) -> dict[str, int]:
     """Copy everything from `source` to `target`; how many of each kind were copied."""
-    copied = {"conversations": 0, "memories": 0, "custom_models": 0}
+    copied = {"conversations": 0, "memories": 0, "presets": 0, "custom_models": 0}
     seen = set()
     async for conv in source.every_conversation():
         await target.for_owner(conv["owner"]).create(conv)
@@ -37,6 +37,10 @@ async def migrate(source: Store, target: Store) -> dict[str, int]:
         if text:  # an empty memory is the same as none: do not create files for it
             await target.for_owner(owner).write_memory(text)
             copied["memories"] += 1
+        presets = await source.for_owner(owner).read_presets()
+        if presets is not None:
+            await target.for_owner(owner).update_presets(lambda _, document=presets: document)
+            copied["presets"] += 1
     models = await source.read_custom_models()
     if models:
         await target.write_custom_models(models)

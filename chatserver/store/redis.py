@@ -58,7 +58,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chatserver.conversations.document import (
@@ -425,6 +425,9 @@ class RedisStore:
     def memory_key(self, owner: str) -> str:
         return f"{self.prefix}memory:{owner}"
 
+    def presets_key(self, owner: str) -> str:
+        return f"{self.prefix}presets:{owner}"
+
     @contextmanager
     def reachable(self):
         """Turn the client's connection failures into the domain's StoreUnavailable."""
@@ -509,11 +512,11 @@ class RedisStore:
                 continue  # deleted since the scan saw it
 
     async def owners(self) -> set[str]:
-        """Every owner with a conversation index or a memory (for the migration)."""
+        """Every owner with a conversation index, a memory or presets (for the migration)."""
         found = set()
         with self.reachable():
             for pattern, cut in ((f"{self.prefix}owner:*:conversations", -len(":conversations")),
-                                 (f"{self.prefix}memory:*", None)):
+                                 (f"{self.prefix}memory:*", None), (f"{self.prefix}presets:*", None)):
                 start = len(pattern.split("*")[0])
                 async for key in self.redis.scan_iter(match=pattern, count=500):
                     found.add(key.decode()[start:cut])
@@ -910,6 +913,31 @@ class RedisOwnerStore:
     async def forget_memory(self) -> None:
         with self.store.reachable():
             await self.store.redis.delete(self.store.memory_key(self.owner))
+
+    async def read_presets(self) -> bytes | None:
+        with self.store.reachable():
+            return await self.store.redis.get(self.store.presets_key(self.owner))
+
+    async def update_presets(self, change: Callable[[bytes | None], bytes]) -> None:
+        """Optimistic: WATCH the key, compute, write in MULTI; recomputed when another process wrote between."""
+        key = self.store.presets_key(self.owner)
+        with self.store.reachable():
+            for _ in range(MAX_ATTEMPTS):
+                async with self.store.redis.pipeline(transaction=True) as pipe:
+                    await pipe.watch(key)
+                    new = change(await pipe.get(key))
+                    pipe.multi()
+                    pipe.set(key, new)
+                    try:
+                        await pipe.execute()
+                        return
+                    except WatchError:
+                        continue
+        raise StoreUnavailable(f"Redis at {self.store.where}: presets changed {MAX_ATTEMPTS} times under this write")
+
+    async def forget_presets(self) -> None:
+        with self.store.reachable():
+            await self.store.redis.delete(self.store.presets_key(self.owner))
 
     async def lock_turn(self, conv_id: str) -> FencedTurnLock:
         if not valid_id(conv_id):

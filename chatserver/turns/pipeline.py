@@ -556,7 +556,7 @@ class Turns:
         web = web_tools_enabled(conv["settings"], self.settings)
         preset_name = conv["settings"].get("preset") or "default"
         try:
-            allowed = presets_for(self.settings.data_dir, turn.store.owner).get(preset_name).tools
+            allowed = (await presets_for(turn.store).get(preset_name)).tools
         except PresetNotFound:
             allowed = ()
         selection = tools.select_tools(tools.registry, self.settings, allowed=allowed,
