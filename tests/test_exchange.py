@@ -749,3 +749,32 @@ def test_a_zip_of_too_many_files_is_refused_before_they_are_listed(monkeypatch):
 def test_a_zip_that_cannot_be_read_says_why(raw, reason):
     with pytest.raises(Unreadable, match=reason):
         parse_import(raw())
+
+
+async def test_a_replys_trail_survives_our_own_export_and_import(api, client, sim):
+    conv = await api.new()
+    await api.patch(conv["id"], settings={"tools": [], "web_search": True, "web_fetch": True})
+    sim.enqueue(Script(steps=[
+        steps.Reasoning("Need today's forecast.", chunk_size=50),
+        steps.Search("seoul weather today", results=[{"url": "https://kma.go.kr/weather", "title": "KMA forecast"}]),
+        steps.Fetch("https://kma.go.kr/weather", "KMA forecast"),
+        steps.Text("Sunny, 21°C.")]))
+    await api.send(conv["id"], "Weather in Seoul?")
+    imported = await client.post("/api/import", files={"file": ("chats.json", fixture("librechat_openwebui_export.json"))})
+    ids = [conv["id"], *imported.json()["imported"][:2]]
+
+    for cid in ids:
+        original = [m for m in (await api.get(cid))["messages"] if m["role"] == "assistant"][-1]
+        exported = await client.get(f"/api/conversations/{cid}/export", params={"format": "json"})
+        envelope = exported.json()
+        envelope["conversations"][0]["nodes"][-1]["activity"] = [  # steps of shapes not ours are left out
+            {"kind": "dance"}, {"kind": "search", "query": 5, "at": 1}, *original["activity"], "x"]
+        (again,) = parse_import(orjson.dumps(envelope))
+
+        reply = current_path(again["nodes"], again["current"])[-1]
+        assert reply["content"] == original["content"] and reply["activity"] == original["activity"]
+    assert [s["kind"] for s in original_steps(await api.get(ids[0]))] == ["thinking", "search", "fetch"]
+
+
+def original_steps(conv: dict) -> list[dict]:
+    return [m for m in conv["messages"] if m["role"] == "assistant"][-1]["activity"]

@@ -29,11 +29,11 @@ import zipfile
 import zlib
 from collections import Counter
 from datetime import datetime
-from typing import Annotated, Callable, Iterator, NotRequired, TypedDict
+from typing import Annotated, Any, Callable, Iterator, Literal, NotRequired, TypedDict
 from urllib.parse import quote
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from chatserver.conversations import branches
 from chatserver.conversations.document import new_id, now_iso
@@ -246,20 +246,22 @@ def read_import(raw: bytes, progress: Callable[[int, int], None] | None = None) 
     for i, item in enumerate(items):
         title = clean_title(item.get("title") or _chat_title(item)) if isinstance(item, dict) else ""
         where = f"conversation {i + 1}" + (f" (“{title[:60]}”)" if title and title != UNTITLED else "")
-        try:
-            if not isinstance(item, dict):
-                raise Unreadable(f"{where} is not an object")
-            converted = convert(item)
-            if not converted["nodes"]:
-                raise Unreadable("it holds no user or assistant message (only system, tool or empty ones)")
-            conversations.append(converted)
-        except Unreadable as exc:
-            reason = exc.reason if exc.reason.startswith(where) else f"{where}: {exc.reason}"
+        reason = None
+        if not isinstance(item, dict):
+            reason = f"{where} is not an object"
+        else:
+            try:
+                converted = convert(item)
+                if not converted["nodes"]:
+                    raise Unreadable("it holds no user or assistant message (only system, tool or empty ones)")
+                conversations.append(converted)
+            except Unreadable as exc:
+                reason = f"{where}: {exc.reason}"
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                # A shape no check above foresaw is still the file's fault, not the server's.
+                reason = f"{where}: an unexpected shape ({type(exc).__name__}: {str(exc)[:100]})"
+        if reason is not None:
             skipped.append({"code": "conversation_skipped", "index": i + 1, "title": title, "message": reason})
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            # A shape no check above foresaw is still the file's fault, not the server's.
-            skipped.append({"code": "conversation_skipped", "index": i + 1, "title": title,
-                            "message": f"{where}: an unexpected shape ({type(exc).__name__}: {str(exc)[:100]})"})
         if progress is not None:
             progress(i + 1, len(items))
     if not conversations:
@@ -326,13 +328,12 @@ def read_zip(raw: bytes) -> tuple[bytes, list[dict]]:
             if member.file_size > MAX_IMPORT_BYTES:
                 raise Unreadable(f"conversations.json in the zip archive is over {limit} unpacked "
                                  f"({member.file_size} bytes declared)")
-            chunks, total = [], 0
+            data = bytearray()
             with archive.open(member) as stream:
                 while chunk := stream.read(1 << 20):
-                    total += len(chunk)
-                    if total > MAX_IMPORT_BYTES:  # the declared size lied
+                    data += chunk
+                    if len(data) > MAX_IMPORT_BYTES:  # the declared size lied
                         raise Unreadable(f"conversations.json in the zip archive is over {limit} unpacked")
-                    chunks.append(chunk)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError,
             OSError, zlib.error, ValueError) as exc:
         raise Unreadable(f"the zip archive cannot be read ({type(exc).__name__}: {str(exc)[:100]})") from None
@@ -342,7 +343,7 @@ def read_zip(raw: bytes) -> tuple[bytes, list[dict]]:
         warnings.append({"code": "images_skipped", "count": images,
                          "message": f"The archive holds {images} {'image' if images == 1 else 'images'} beside "
                                     "conversations.json; they were not imported (messages show [image] where one was)."})
-    return b"".join(chunks), warnings
+    return bytes(data), warnings
 
 
 def zip_entry_count(raw: bytes) -> int:
@@ -972,6 +973,74 @@ class ExportedNode(_Exported):
     content: str
     created_at: Time | None = None
     model: ModelName | None = None
+    # Shown, never sent upstream: each step is checked on its own and one of another shape left
+    # out (an older server's step, another version's), never the conversation.
+    activity: Any = None
+
+
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+ShortText = Annotated[str, Field(max_length=MAX_STEP_TEXT)]
+
+
+class ExportedThinking(_Exported):
+    kind: Literal["thinking"]
+    text: ShortText
+    started_at: Seconds
+    ended_at: Seconds
+
+
+class ExportedResult(_Exported):
+    url: Annotated[str, Field(max_length=2000)]
+    title: ShortText | None = None
+    page_age: Annotated[str, Field(max_length=100)] | None = None
+
+
+class ExportedSearch(_Exported):
+    kind: Literal["search"]
+    query: ShortText
+    results: list[ExportedResult] | None = None
+    at: Seconds
+    error: Annotated[str, Field(max_length=100)] | None = None
+
+
+class ExportedFetch(_Exported):
+    kind: Literal["fetch"]
+    url: Annotated[str, Field(max_length=2000)]
+    title: ShortText | None = None
+    ok: bool
+    at: Seconds
+    error: Annotated[str, Field(max_length=100)] | None = None
+
+
+class ExportedTool(_Exported):
+    kind: Literal["tool"]
+    call_id: Annotated[str, Field(max_length=200)]
+    name: Annotated[str, Field(max_length=200)]
+    arguments: dict
+    status: Literal["running", "done", "error"]
+    summary: ShortText | None = None
+    error: ShortText | None = None
+    duration_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    at: Seconds
+
+
+ExportedStep: TypeAdapter = TypeAdapter(Annotated[ExportedThinking | ExportedSearch | ExportedFetch | ExportedTool,
+                                                  Field(discriminator="kind")])
+
+
+def own_steps(value: object) -> list[dict]:
+    """The steps of an exported reply's `activity` that have one of our shapes, as stored."""
+    steps = []
+    for item in value[:MAX_STEPS] if isinstance(value, list) else []:
+        try:
+            step = ExportedStep.validate_python(item)
+        except ValidationError:
+            continue
+        out = step.model_dump(exclude_none=True)
+        if out["kind"] == "search":
+            out["results"] = out.get("results")  # null means "no results yet", which the page shows
+        steps.append(out)
+    return steps
 
 
 class ExportedFolded(_Exported):
@@ -1022,6 +1091,8 @@ def from_own(item: dict) -> ImportedConversation:
         role = n.role if n.role in ROLES and n.content.strip() else None
         raw[n.id] = {"parent": n.parent_id, "role": role, "content": checked_content(n.content) if role else "",
                      "created_at": n.created_at or created, "model": n.model if role == "assistant" else None}
+        if role == "assistant" and n.activity:
+            raw[n.id]["steps"] = own_steps(n.activity)
     order = {None: [n.id for n in conv.nodes]}  # the file lists parents before children, siblings in order
     fresh: dict[str, str] = {}
     tree, leaf = build_tree(raw, order, conv.current or None, fresh)
