@@ -778,3 +778,34 @@ async def test_a_replys_trail_survives_our_own_export_and_import(api, client, si
 
 def original_steps(conv: dict) -> list[dict]:
     return [m for m in conv["messages"] if m["role"] == "assistant"][-1]["activity"]
+
+
+def raw_node(parent, role, content="", steps=None) -> dict:
+    node = {"parent": parent, "role": role, "content": content, "created_at": "t", "model": None}
+    if steps:
+        node["steps"] = steps
+    return node
+
+
+def thought(text: str) -> dict:
+    return {"kind": "thinking", "text": text, "started_at": 1.0, "ended_at": 2.0}
+
+
+def test_steps_above_a_fork_go_to_every_reply_under_it_and_stop_at_a_question(monkeypatch):
+    raw = {"q": raw_node(None, "user", "q"), "t": raw_node("q", None, steps=[thought("shared")]),
+           "a1": raw_node("t", "assistant", "one", [thought("own")]), "a2": raw_node("t", "assistant", "two"),
+           "q2": raw_node("a2", "user", "again"), "a3": raw_node("q2", "assistant", "three")}
+
+    nodes, _ = exchange.build_tree(raw, {}, "a3")
+
+    activity = {n["content"]: [s["text"] for s in n.get("activity", [])] for n in nodes}
+    assert activity == {"q": [], "one": ["shared", "own"], "two": ["shared"], "again": [], "three": []}
+    by_content = {n["content"]: n for n in nodes}
+    assert by_content["one"]["activity"][0] is not by_content["two"]["activity"][0]  # copies, not one shared step
+    # Steps above many forks are copied to each reply under them: a bounded number in all.
+    monkeypatch.setattr(exchange, "MAX_NODES", 10)
+    chain = {"q": raw_node(None, "user", "q"), "t1": raw_node("q", None, steps=[thought("1")]),
+             "t2": raw_node("t1", None, steps=[thought("2")]), "t3": raw_node("t2", None, steps=[thought("3")]),
+             **{f"a{i}": raw_node("t3", "assistant", str(i)) for i in range(4)}}
+    with pytest.raises(Unreadable, match="over 10 activity steps"):
+        exchange.build_tree(chain, {}, None)
