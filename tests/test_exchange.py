@@ -809,3 +809,18 @@ def test_steps_above_a_fork_go_to_every_reply_under_it_and_stop_at_a_question(mo
              **{f"a{i}": raw_node("t3", "assistant", str(i)) for i in range(4)}}
     with pytest.raises(Unreadable, match="over 10 activity steps"):
         exchange.build_tree(chain, {}, None)
+
+
+def test_open_webui_think_tags_and_code_it_ran_become_steps_too():
+    text, steps = exchange.open_webui_reply("<think>\nCount the letters.\n</think>\n\nThere are 3.", 100.0)
+    assert text == "There are 3." and steps == [
+        {"kind": "thinking", "text": "Count the letters.", "started_at": 100.0, "ended_at": 100.0}]
+
+    text, steps = exchange.open_webui_reply(
+        'Running it.\n<details type="code_interpreter" done="true" output="{&quot;stdout&quot;: &quot;6\\n&quot;}">\n'
+        "<summary>Analyzed</summary>\n```python\nprint(2 * 3)\n```\n</details>\nIt prints 6. <detailsx>not a tag</detailsx>",
+        100.0)
+    assert text == "Running it.\nIt prints 6. <detailsx>not a tag</detailsx>"
+    (step,) = steps
+    assert (step["name"], step["arguments"], step["summary"]) == (
+        "code_interpreter", {"code": "print(2 * 3)"}, '{"stdout":"6\\n"}')
