@@ -456,8 +456,9 @@ async def test_conversations_past_the_quota_are_413_naming_it_made_or_imported(t
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
                         quota_conversations=2)
     async with serve(settings) as (app, client):
-        first = (await client.post("/api/conversations", json={})).json()
-        exported = (await client.get(f"/api/conversations/{first['id']}/export")).content
+        assert (await client.post("/api/conversations", json={})).status_code == 201
+        # A file with messages: an empty conversation is not imported at all (issue 24).
+        exported = (Path(__file__).parent / "fixtures" / "chatgpt_conversations.json").read_bytes()
         assert (await client.post("/api/conversations", json={})).status_code == 201
         refused = await client.post("/api/conversations", json={})
         assert refused.status_code == 413

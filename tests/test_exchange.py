@@ -3,8 +3,12 @@ exports as trees, the round trip through our own format, and files that cannot b
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 import re
+import struct
+import zipfile
 from pathlib import Path
 
 import orjson
@@ -137,10 +141,11 @@ def test_tree_helpers_read_a_linear_conversation_and_give_the_branch_fields():
 
 # --- files that cannot be read -------------------------------------------------------------------
 
-def chatgpt_with(mutate) -> bytes:
+def chatgpt_with(mutate, keep: int | None = None) -> bytes:
+    """The ChatGPT fixture changed by `mutate`; only its conversation `keep` when given."""
     data = json.loads(fixture("chatgpt_conversations.json"))
     mutate(data)
-    return orjson.dumps(data)
+    return orjson.dumps(data if keep is None else [data[keep]])
 
 
 def cycle(data):
@@ -162,9 +167,10 @@ UNREADABLE = [
     (b'[{"title": "x"}]', "not a ChatGPT, Open WebUI or chat-server export"),
     (b'{"format": "chat-server-export", "version": 99, "conversations": []}', "version 99"),
     (b'{"format": "chat-server-export", "version": 1, "conversations": [{"nodes": "x"}]}', "nodes: Input should be a valid list"),
-    (chatgpt_with(cycle), "cycle"),
-    (chatgpt_with(missing_parent), "not in the file"),
-    (chatgpt_with(mapping_not_object), "no `mapping`"),
+    # A file of one conversation that cannot be read (one among readable ones is skipped, below).
+    (chatgpt_with(cycle, keep=0), "cycle"),
+    (chatgpt_with(missing_parent, keep=1), "not in the file"),
+    (chatgpt_with(mapping_not_object, keep=1), "no `mapping`"),
     (b'[{"title": "t", "mapping": {}}, 7]', "conversation 2 is not an object"),
     (b'[{"chat": {"history": {"messages": {}}}}, {"title": "Second"}]', "conversation 2 .*no `chat` object"),
 ]
@@ -187,8 +193,8 @@ def test_odd_field_types_are_tolerated_not_refused():
 
 
 def test_absurd_sizes_are_refused(monkeypatch):
-    monkeypatch.setattr(exchange, "MAX_NODES", 5)
-    with pytest.raises(Unreadable, match="over 5 messages"):
+    monkeypatch.setattr(exchange, "MAX_NODES", 2)
+    with pytest.raises(Unreadable, match="over 2 messages"):
         parse_import(fixture("chatgpt_conversations.json"))
     monkeypatch.setattr(exchange, "MAX_NODES", 100)
     monkeypatch.setattr(exchange, "MAX_CONTENT_CHARS", 10)
@@ -286,12 +292,14 @@ def test_file_names_never_carry_a_path():
 
 # --- the import route ---------------------------------------------------------------------------
 
-async def test_the_import_route_stores_every_conversation_or_none(client):
-    bad = chatgpt_with(cycle)
+async def test_the_import_route_stores_nothing_when_no_conversation_can_be_read(client):
+    bad = chatgpt_with(cycle, keep=0)
 
     refused = await client.post("/api/import", files={"file": ("conversations.json", bad, "application/json")})
 
     assert refused.status_code == 422 and "cycle" in refused.json()["detail"]
+    assert [(w["code"], w["index"], w["title"]) for w in refused.json()["warnings"]] == [
+        ("conversation_skipped", 1, "Capitals")]
     assert (await client.get("/api/conversations")).json() == []
     accepted = await client.post("/api/import", files={"file": ("x.json", fixture("chatgpt_conversations.json"))})
     assert accepted.status_code == 201
@@ -486,3 +494,333 @@ async def test_an_own_export_with_a_bad_field_is_422_and_stores_nothing(client):
     (cid,) = good.json()["imported"]
     markdown = await client.get(f"/api/conversations/{cid}/export", params={"format": "md"})
     assert markdown.status_code == 200 and "### Assistant · gpt-4 · " in markdown.text
+
+
+# --- imports as people export them (issue 24) -------------------------------------------------------
+# Fixtures: tests/fixtures/README.md says where each file comes from.
+
+def zipped(members: dict[str, bytes], compression: int = zipfile.ZIP_DEFLATED) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(64)
+
+
+def chatgpt_download(conversations: bytes) -> bytes:
+    """ChatGPT's "Export data" zip as it is laid out: conversations.json beside chat.html, account
+    files and the images of the conversations."""
+    return zipped({"conversations.json": conversations, "chat.html": b"<html><body>...</body></html>",
+                   "user.json": b'{"id": "user-x"}', "message_feedback.json": b"[]",
+                   "file-Ab12Cd34-photo.png": PNG, "dalle-generations/file-Ef56-image.webp": PNG,
+                   "user-x/file-Gh78-screenshot.JPG": PNG, "dalle-generations/": b""})
+
+
+@pytest.mark.parametrize("encode", [
+    lambda text: codecs.BOM_UTF8 + text.encode("utf-8"),
+    lambda text: text.encode("utf-16"),  # with its byte-order mark, as Windows tools write it
+    lambda text: codecs.BOM_UTF16_BE + text.encode("utf-16-be"),
+], ids=["utf-8 bom", "utf-16 le bom", "utf-16 be bom"])
+def test_a_file_with_a_byte_order_mark_is_read_as_without_it(encode):
+    text = fixture("chatgpt_conversations.json").decode("utf-8")
+
+    marked = parse_import(encode(text))
+
+    plain = parse_import(text.encode("utf-8"))
+    assert [path_texts(c) for c in marked] == [path_texts(c) for c in plain]
+    assert path_texts(marked[1])[0] == ("user", "[image]\n\n서울에서 가볼 만한 곳을 알려 주세요.")
+
+
+def test_a_utf16_mark_on_text_that_is_not_utf16_says_so():
+    with pytest.raises(Unreadable, match="UTF-16 byte-order mark but is not UTF-16"):
+        parse_import(codecs.BOM_UTF16_LE + b"[\x00\xd8")  # a lone surrogate
+
+
+async def test_a_bom_file_imports_through_the_route(client):
+    response = await client.post("/api/import", files={"file": (
+        "conversations.json", codecs.BOM_UTF8 + fixture("librechat_openwebui_export.json"), "application/json")})
+
+    assert response.status_code == 201, response.text
+    assert len(response.json()["imported"]) == 3
+
+
+def test_one_broken_conversation_among_good_ones_is_skipped_and_named():
+    result = exchange.read_import(fixture("librechat_chatgpt_modern_export.json"))
+
+    assert [c["title"] for c in result["conversations"]] == ["Deploying the staging cluster", "Weeknight pasta"]
+    assert result["warnings"] == [{
+        "code": "conversation_skipped", "index": 2, "title": "Corrupted entry",
+        "message": "conversation 2 (“Corrupted entry”): it has no `mapping` of messages"}]
+    # ChatGPT's custom instructions (a hidden "user system message") are the conversation's system prompt.
+    assert result["conversations"][0]["system_prompt"] == "The user is an SRE.\n\nAnswer concisely."
+    assert path_texts(result["conversations"][0])[-1] == ("assistant", "Restore from the last known-good chart.")
+
+
+def test_a_file_whose_conversations_all_fail_is_unreadable_with_every_reason():
+    raw = orjson.dumps([{"title": "A", "mapping": {"x": {"parent": "x", "message": None}}}, 7, {"title": "C"}])
+
+    with pytest.raises(Unreadable) as caught:
+        parse_import(raw)
+
+    assert caught.value.reason == ("conversation 1 (“A”): its message tree has a cycle; conversation 2 is not an object; "
+                                   "conversation 3 (“C”): it has no `mapping` of messages")
+    assert [w["index"] for w in caught.value.skipped] == [1, 2, 3]
+
+
+def test_a_conversation_of_system_and_tool_messages_only_is_not_imported_but_reported():
+    result = exchange.read_import(fixture("chatgpt_reasoning_and_tools.json"))
+
+    assert [c["title"] for c in result["conversations"]] == ["Two to the hundredth"]
+    (warning,) = result["warnings"]
+    assert (warning["code"], warning["index"], warning["title"]) == (
+        "conversation_skipped", 2, "Only a system prompt and a tool")
+    assert "no user or assistant message" in warning["message"]
+    only = json.loads(fixture("chatgpt_reasoning_and_tools.json"))[1:]
+    with pytest.raises(Unreadable, match="no user or assistant message"):
+        parse_import(orjson.dumps(only))
+
+
+def test_chatgpt_reasoning_and_tool_messages_become_the_replys_activity():
+    (conv,) = parse_import(fixture("chatgpt_reasoning_and_tools.json"))
+
+    assert path_texts(conv) == [("user", "What is 2**100 exactly?"),
+                                ("assistant", "2**100 = **1267650600228229401496703205376**.")]
+    reply = current_path(conv["nodes"], conv["current"])[-1]
+    thought, call = reply["activity"]
+    assert thought["kind"] == "thinking" and thought["text"] == (
+        "Computing a large power\nThe user wants the exact value; I will run it in Python rather than guess.")
+    assert thought["ended_at"] - thought["started_at"] == 4  # the recap's "Thought for 4s"
+    assert {k: call[k] for k in ("kind", "name", "arguments", "status", "summary")} == {
+        "kind": "tool", "name": "python", "arguments": {"code": "2**100"}, "status": "done",
+        "summary": "1267650600228229401496703205376"}
+    assert isinstance(call["at"], float) and isinstance(call["call_id"], str)
+
+
+def test_open_webui_reasoning_and_tool_blocks_become_activity_not_html():
+    reasoning, tool, simple = parse_import(fixture("librechat_openwebui_export.json"))
+
+    answer = current_path(reasoning["nodes"], reasoning["current"])[-1]
+    assert answer["content"] == "255" and answer["activity"] == [
+        {"kind": "thinking", "text": "Let me break this down...", "started_at": 1700000007.0, "ended_at": 1700000010.0}]
+    weather = current_path(tool["nodes"], tool["current"])[-1]
+    assert weather["content"] == "The weather in Paris is 18C with rain."
+    (step,) = weather["activity"]
+    assert (step["kind"], step["status"], step["summary"]) == ("tool", "done", "Paris: 18C, rain")
+    assert "activity" not in current_path(simple["nodes"], simple["current"])[-1]
+
+
+def test_open_webui_tool_calls_with_their_attributes_keep_name_arguments_and_result():
+    # Open WebUI 0.6 writes a call's name, arguments and result as escaped attributes.
+    data = json.loads(fixture("librechat_openwebui_export.json"))
+    data[1]["chat"]["history"]["messages"]["ta2"]["content"] = (
+        '<details type="tool_calls" done="true" id="call_1" name="get_weather" '
+        'arguments="{&quot;city&quot;: &quot;Paris&quot;}" result="&quot;Paris: 18C, rain&quot;" files="">\n'
+        "<summary>Tool Executed</summary>\n</details>\n"
+        "The weather in Paris is 18C with rain.\n\n<details><summary>Sources</summary>kept as written</details>")
+
+    (_, tool, _) = parse_import(orjson.dumps(data))
+
+    reply = current_path(tool["nodes"], tool["current"])[-1]
+    assert reply["content"] == ("The weather in Paris is 18C with rain.\n\n"
+                                "<details><summary>Sources</summary>kept as written</details>")
+    assert [{k: s[k] for k in ("call_id", "name", "arguments", "summary")} for s in reply["activity"]] == [
+        {"call_id": "call_1", "name": "get_weather", "arguments": {"city": "Paris"}, "summary": "Paris: 18C, rain"}]
+
+
+def test_a_bare_open_webui_chat_object_and_a_list_of_them_are_read():
+    rows = json.loads(fixture("librechat_openwebui_export.json"))
+    chats = [row["chat"] for row in rows]  # the chat objects without the rows around them
+
+    (one,) = parse_import(orjson.dumps(chats[0]))
+    many = parse_import(orjson.dumps(chats))
+
+    assert (one["title"], one["model"]) == ("Chat with reasoning", "deepseek-r1")
+    assert path_texts(one) == [("user", "What is 15 * 17?"), ("assistant", "255")]
+    assert [c["title"] for c in many] == ["Chat with reasoning", "Chat with tool call", "Simple linear chat"]
+
+
+def test_open_webui_system_prompt_is_kept_and_roles_without_a_place_are_reported():
+    chat = json.loads(fixture("librechat_openwebui_export.json"))[2]["chat"]
+    chat["params"] = {"system": "Answer in French."}
+    chat["history"]["messages"]["sa2"]["childrenIds"] = ["f1"]
+    chat["history"]["messages"]["f1"] = {"id": "f1", "parentId": "sa2", "childrenIds": [], "role": "function",
+                                         "content": "{}", "timestamp": 1700002006}
+
+    (conv,) = parse_import(orjson.dumps(chat))
+
+    assert conv["system_prompt"] == "Answer in French."
+    (note,) = conv["notes"]
+    assert note["code"] == "roles_skipped" and "1 “function”" in note["message"]
+    assert path_texts(conv) == [("user", "Hello"), ("assistant", "Hi there!")]
+
+
+async def test_reasoning_and_tools_are_stored_as_our_own_replies_keep_them(client, settings):
+    settings.pii_masking = "on"
+    data = json.loads(fixture("librechat_openwebui_export.json"))
+    ra2 = data[0]["chat"]["history"]["messages"]["ra2"]
+    ra2["content"] = ra2["content"].replace("Let me break this down...", "Mail hong@naver.com the steps.")
+
+    response = await client.post("/api/import", files={"file": ("chats.json", orjson.dumps(data))})
+
+    assert response.status_code == 201, response.text
+    ids = response.json()["imported"]
+    stored = (await client.get(f"/api/conversations/{ids[0]}")).json()
+    (reply,) = [m for m in stored["messages"] if m["role"] == "assistant"]
+    assert reply["content"] == "255"
+    assert reply["activity"] == [{"kind": "thinking", "text": "Mail [email] the steps.",
+                                  "started_at": 1700000007.0, "ended_at": 1700000010.0}]
+
+
+async def test_a_chatgpt_zip_download_imports_its_conversations_and_counts_its_images(client):
+    download = chatgpt_download(fixture("librechat_chatgpt_modern_export.json"))
+
+    response = await client.post("/api/import", files={"file": ("chatgpt-export.zip", download, "application/zip")})
+
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert len(body["imported"]) == 2
+    codes = [(w["code"], w.get("count"), w.get("index")) for w in body["warnings"]]
+    assert codes[:2] == [("images_skipped", 3, None), ("conversation_skipped", None, 2)]
+    assert "3 images" in body["warnings"][0]["message"]
+    assert {w["code"] for w in body["warnings"][2:]} == {"model_replaced"}
+    stored = (await client.get(f"/api/conversations/{body['imported'][0]}")).json()
+    assert stored["settings"]["system_prompt"] == "The user is an SRE.\n\nAnswer concisely."
+    assert [m["content"] for m in stored["messages"] if m["role"] == "user"] == [
+        "How do I roll back the deploy?", "And if that fails?"]
+
+
+def test_conversations_json_is_found_in_a_folder_of_the_zip_and_may_carry_a_bom():
+    raw = zipped({"export/conversations.json": codecs.BOM_UTF8 + fixture("chatgpt_conversations.json")})
+
+    assert [c["title"] for c in parse_import(raw)] == ["Capitals", "서울 여행"]
+
+
+def forged_size(archive: bytes, size: int) -> bytes:
+    """The archive with its members' uncompressed sizes stated as `size` (local and central headers)."""
+    data = bytearray(archive)
+    for signature, offset in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+        at = data.find(signature)
+        while at != -1:
+            struct.pack_into("<I", data, at + offset, size)
+            at = data.find(signature, at + 4)
+    return bytes(data)
+
+
+def bomb() -> bytes:
+    """2 MiB of JSON that compresses to a few kilobytes."""
+    return zipped({"conversations.json": b"[" + b" " * (2 * 2**20) + b"]"})
+
+
+@pytest.mark.parametrize("archive,reason", [
+    (bomb, "conversations.json in the zip archive is over 1 MB unpacked"),
+    (lambda: forged_size(bomb(), 100), "the zip archive cannot be read"),  # says 100 bytes, holds 2 MiB
+], ids=["declared", "forged"])
+async def test_a_zip_bomb_is_refused_with_a_clear_422_and_stores_nothing(client, monkeypatch, archive, reason):
+    monkeypatch.setattr(exchange, "MAX_IMPORT_BYTES", 2**20)
+    raw = archive()
+    assert len(raw) < 64 * 1024
+
+    response = await client.post("/api/import", files={"file": ("chatgpt-export.zip", raw, "application/zip")})
+
+    assert response.status_code == 422 and reason in response.json()["detail"]
+    assert (await client.get("/api/conversations")).json() == []
+
+
+def test_a_zip_of_too_many_files_is_refused_before_they_are_listed(monkeypatch):
+    monkeypatch.setattr(exchange, "MAX_ZIP_ENTRIES", 10)
+    raw = zipped({"conversations.json": fixture("chatgpt_conversations.json"),
+                  **{f"file-{i}.png": PNG for i in range(10)}})
+    listed = []
+    monkeypatch.setattr(zipfile.ZipFile, "infolist", lambda self: listed.append(1) or [])
+
+    with pytest.raises(Unreadable, match="over 10 files"):
+        parse_import(raw)
+    assert listed == []
+
+
+@pytest.mark.parametrize("raw,reason", [
+    (lambda: zipped({"chat.html": b"<html></html>"}), "holds no conversations.json"),
+    (lambda: chatgpt_download(b"[]")[:-30], "no central directory"),  # a download cut short
+    (lambda: zipped({}), "the zip archive is empty"),
+], ids=["no conversations.json", "truncated", "empty"])
+def test_a_zip_that_cannot_be_read_says_why(raw, reason):
+    with pytest.raises(Unreadable, match=reason):
+        parse_import(raw())
+
+
+async def test_a_replys_trail_survives_our_own_export_and_import(api, client, sim):
+    conv = await api.new()
+    await api.patch(conv["id"], settings={"tools": [], "web_search": True, "web_fetch": True})
+    sim.enqueue(Script(steps=[
+        steps.Reasoning("Need today's forecast.", chunk_size=50),
+        steps.Search("seoul weather today", results=[{"url": "https://kma.go.kr/weather", "title": "KMA forecast"}]),
+        steps.Fetch("https://kma.go.kr/weather", "KMA forecast"),
+        steps.Text("Sunny, 21°C.")]))
+    await api.send(conv["id"], "Weather in Seoul?")
+    imported = await client.post("/api/import", files={"file": ("chats.json", fixture("librechat_openwebui_export.json"))})
+    ids = [conv["id"], *imported.json()["imported"][:2]]
+
+    for cid in ids:
+        original = [m for m in (await api.get(cid))["messages"] if m["role"] == "assistant"][-1]
+        exported = await client.get(f"/api/conversations/{cid}/export", params={"format": "json"})
+        envelope = exported.json()
+        envelope["conversations"][0]["nodes"][-1]["activity"] = [  # steps of shapes not ours are left out
+            {"kind": "dance"}, {"kind": "search", "query": 5, "at": 1}, *original["activity"], "x"]
+        (again,) = parse_import(orjson.dumps(envelope))
+
+        reply = current_path(again["nodes"], again["current"])[-1]
+        assert reply["content"] == original["content"] and reply["activity"] == original["activity"]
+    assert [s["kind"] for s in original_steps(await api.get(ids[0]))] == ["thinking", "search", "fetch"]
+
+
+def original_steps(conv: dict) -> list[dict]:
+    return [m for m in conv["messages"] if m["role"] == "assistant"][-1]["activity"]
+
+
+def raw_node(parent, role, content="", steps=None) -> dict:
+    node = {"parent": parent, "role": role, "content": content, "created_at": "t", "model": None}
+    if steps:
+        node["steps"] = steps
+    return node
+
+
+def thought(text: str) -> dict:
+    return {"kind": "thinking", "text": text, "started_at": 1.0, "ended_at": 2.0}
+
+
+def test_steps_above_a_fork_go_to_every_reply_under_it_and_stop_at_a_question(monkeypatch):
+    raw = {"q": raw_node(None, "user", "q"), "t": raw_node("q", None, steps=[thought("shared")]),
+           "a1": raw_node("t", "assistant", "one", [thought("own")]), "a2": raw_node("t", "assistant", "two"),
+           "q2": raw_node("a2", "user", "again"), "a3": raw_node("q2", "assistant", "three")}
+
+    nodes, _ = exchange.build_tree(raw, {}, "a3")
+
+    activity = {n["content"]: [s["text"] for s in n.get("activity", [])] for n in nodes}
+    assert activity == {"q": [], "one": ["shared", "own"], "two": ["shared"], "again": [], "three": []}
+    by_content = {n["content"]: n for n in nodes}
+    assert by_content["one"]["activity"][0] is not by_content["two"]["activity"][0]  # copies, not one shared step
+    # Steps above many forks are copied to each reply under them: a bounded number in all.
+    monkeypatch.setattr(exchange, "MAX_NODES", 10)
+    chain = {"q": raw_node(None, "user", "q"), "t1": raw_node("q", None, steps=[thought("1")]),
+             "t2": raw_node("t1", None, steps=[thought("2")]), "t3": raw_node("t2", None, steps=[thought("3")]),
+             **{f"a{i}": raw_node("t3", "assistant", str(i)) for i in range(4)}}
+    with pytest.raises(Unreadable, match="over 10 activity steps"):
+        exchange.build_tree(chain, {}, None)
+
+
+def test_open_webui_think_tags_and_code_it_ran_become_steps_too():
+    text, steps = exchange.open_webui_reply("<think>\nCount the letters.\n</think>\n\nThere are 3.", 100.0)
+    assert text == "There are 3." and steps == [
+        {"kind": "thinking", "text": "Count the letters.", "started_at": 100.0, "ended_at": 100.0}]
+
+    text, steps = exchange.open_webui_reply(
+        'Running it.\n<details type="code_interpreter" done="true" output="{&quot;stdout&quot;: &quot;6\\n&quot;}">\n'
+        "<summary>Analyzed</summary>\n```python\nprint(2 * 3)\n```\n</details>\nIt prints 6. <detailsx>not a tag</detailsx>",
+        100.0)
+    assert text == "Running it.\nIt prints 6. <detailsx>not a tag</detailsx>"
+    (step,) = steps
+    assert (step["name"], step["arguments"], step["summary"]) == (
+        "code_interpreter", {"code": "print(2 * 3)"}, '{"stdout":"6\\n"}')

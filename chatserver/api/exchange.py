@@ -61,19 +61,22 @@ async def export_conversation(conv_id: str, store: OwnerStoreDep,
 
 @router.post("/api/import", status_code=201)
 async def import_conversations(file: UploadFile, state: StateDep, store: OwnerStoreDep) -> Response:
-    """Every conversation in the uploaded file, or 422 with the reason and nothing stored."""
+    """Every conversation of the uploaded file that can be read (the others named in `warnings`),
+    or 422 with the reasons and nothing stored when none can."""
     from chatserver.api.conversations import default_settings
 
     if file.size is not None and file.size > exchange.MAX_IMPORT_BYTES:
         return JSONResponse({"detail": f"the file is over {exchange.MAX_IMPORT_BYTES // 2**20} MB"}, status_code=422)
     raw = await file.read()
     try:
-        imported = await anyio.to_thread.run_sync(exchange.parse_import, raw)
+        result = await anyio.to_thread.run_sync(exchange.read_import, raw)
     except exchange.Unreadable as exc:
-        return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}"}, status_code=422)
+        return JSONResponse({"detail": f"the file cannot be imported: {exc.reason}", "warnings": exc.skipped},
+                            status_code=422)
+    imported = result["conversations"]
     lineup = {m.id for m in await state.lineup()}
     await check_conversations(state.settings.quota_conversations, store, len(imported))
-    ids, warnings = [], []
+    ids, warnings = [], list(result["warnings"])
     settings = await default_settings(state.settings, None, store)
     for conv in imported:
         replaced = model_replaced(conv["model"], lineup, state.settings.default_model)
@@ -84,6 +87,7 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
         ids.append(created["id"])
         if replaced:
             warnings.append({"id": created["id"], "code": "model_replaced", "message": replaced})
+        warnings += [{"id": created["id"], **note} for note in conv.get("notes", [])]
     return JSONResponse({"imported": ids, "warnings": warnings}, status_code=201)
 
 
@@ -126,7 +130,8 @@ def stored_conversation(conv: exchange.ImportedConversation, state, settings: di
         "id": new_id(), "title": conv["title"], "title_source": "imported",
         "model": conv["model"] if conv["model"] and not replaced else state.settings.default_model,
         "created_at": conv["created_at"], "updated_at": now_iso(),
-        "settings": dict(settings),
+        # The system messages the file had replace the default persona; without any it is kept.
+        "settings": {**settings, **({"system_prompt": conv["system_prompt"]} if conv.get("system_prompt") else {})},
         "summary": summary,
         "messages": messages, "archive": archive,
         "off_path": [n for n in nodes if n["id"] not in on_path],

@@ -77,7 +77,7 @@ def mask(text: str) -> tuple[str, int]:
 
 def mask_conversation(conv: dict) -> int:
     """Mask, in place, the personal text of a conversation made outside a turn (an import): its
-    title, system prompt, summary and every message; how many items were masked."""
+    title, system prompt, summary and every message with its activity steps; how many items were masked."""
     total = 0
 
     def masked(text: str) -> str:
@@ -97,6 +97,14 @@ def mask_conversation(conv: dict) -> int:
         for message in conv.get(key) or []:
             if isinstance(message.get("content"), str):
                 message["content"] = masked(message["content"])
+            # An imported reply's reasoning and tool steps are the file's text too.
+            for step in message.get("activity") or []:
+                for field in ("text", "summary", "error", "query"):
+                    if isinstance(step.get(field), str):
+                        step[field] = masked(step[field])
+                arguments = step.get("arguments")
+                if isinstance(arguments, dict):
+                    step["arguments"] = {k: masked(v) if isinstance(v, str) else v for k, v in arguments.items()}
     return total
 
 

@@ -39,8 +39,13 @@ async function importFile(file) {
     const n = result.imported.length;
     // A conversation whose model is not in the lineup now uses the default one (its notice says so).
     const replaced = result.warnings?.filter((w) => w.code === "model_replaced").length || 0;
+    // Conversations of the file that could not be read, and images of a zip, were left out: say so.
+    const skipped = result.warnings?.filter((w) => w.code === "conversation_skipped") || [];
+    const images = result.warnings?.find((w) => w.code === "images_skipped");
     status.textContent = `Imported ${n} ${n === 1 ? "conversation" : "conversations"}.` +
-      (replaced ? ` ${replaced} now ${replaced === 1 ? "uses" : "use"} the default model: theirs is not in the lineup.` : "");
+      (replaced ? ` ${replaced} now ${replaced === 1 ? "uses" : "use"} the default model: theirs is not in the lineup.` : "") +
+      (skipped.length ? ` Skipped ${skipped.length}: ${skipped[0].message}${skipped.length > 1 ? "; …" : "."}` : "") +
+      (images ? ` ${images.message}` : "");
     if (showingArchived()) await showArchived(false);
     else await loadList();
   } catch (err) {

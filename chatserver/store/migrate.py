@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from chatserver.store.files import FileStore, Store
 from chatserver.store.redis import RedisStore, StoreUnavailable
@@ -39,7 +40,7 @@ async def migrate(source: Store, target: Store) -> dict[str, int]:
             copied["memories"] += 1
         presets = await source.for_owner(owner).read_presets()
         if presets is not None:
-            await target.for_owner(owner).update_presets(lambda _, document=presets: document)
+            await target.for_owner(owner).update_presets(_replaced_by(presets))
             copied["presets"] += 1
     models = await source.read_custom_models()
     if models:
@@ -47,6 +48,14 @@ async def migrate(source: Store, target: Store) -> dict[str, int]:
         copied["custom_models"] = len(models)
     await target.flush()
     return copied
+
+
+def _replaced_by(document: bytes) -> Callable[[bytes | None], bytes]:
+    """A presets change that writes `document` whatever was there (mypy cannot type the lambda
+    with a default argument this was)."""
+    def change(_: bytes | None) -> bytes:
+        return document
+    return change
 
 
 def open_store(kind: str, args: argparse.Namespace) -> Store:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from pathlib import Path
 
 from fpdf import FPDF
@@ -219,6 +220,37 @@ def test_export_downloads_the_conversation_as_markdown_and_json(page, server, si
     exported = json.loads(Path(info.value.path()).read_text(encoding="utf-8"))
     assert "Export this exchange" in json.dumps(exported)
     assert info.value.suggested_filename.endswith(".json")
+
+
+def test_an_imported_zip_says_what_it_left_out_and_imported_reasoning_shows_as_a_trail(page, server, tmp_path):
+    # ChatGPT's zip download: one broken conversation and three images are named in the import line.
+    download = tmp_path / "chatgpt-export.zip"
+    with zipfile.ZipFile(download, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("conversations.json", (FIXTURES / "librechat_chatgpt_modern_export.json").read_bytes())
+        for name in ("file-A1-photo.png", "file-B2-chart.png", "dalle-generations/file-C3.webp"):
+            archive.writestr(name, b"\x89PNG\r\n\x1a\n")
+    page.get_by_test_id("import-input").set_input_files(str(download))
+    status = page.get_by_test_id("import-status")
+    expect(status).to_contain_text("Imported 2 conversations.")
+    expect(status).to_contain_text("Skipped 1: conversation 2 (“Corrupted entry”): it has no `mapping` of messages.")
+    expect(status).to_contain_text("The archive holds 3 images")
+
+    # Open WebUI's reasoning and tool blocks: shown in the reply's trail as our own are, not as HTML.
+    page.get_by_test_id("import-input").set_input_files(str(FIXTURES / "librechat_openwebui_export.json"))
+    expect(status).to_contain_text("Imported 3 conversations.")
+    chats = {c["title"]: c["id"] for c in server.api("GET", "/api/conversations").json()}
+    page.goto(f"{server.base_url}/#{chats['Chat with reasoning']}")
+    reply = assistant_messages(page).last
+    expect(reply.locator(".bubble")).to_have_text("255")
+    trail = reply.get_by_test_id("activity")
+    expect(trail.locator("summary")).to_have_text("Thought for 3s")
+    trail.locator("summary").click()
+    expect(trail.locator(".thinking-text")).to_have_text("Let me break this down...")
+    page.goto(f"{server.base_url}/#{chats['Chat with tool call']}")
+    reply = assistant_messages(page).last
+    expect(reply.locator(".bubble")).to_have_text("The weather in Paris is 18C with rain.")
+    expect(reply.get_by_test_id("activity").locator("summary")).to_have_text("Used 1 tool")
+    expect(page.locator("details[type]")).to_have_count(0)
 
 
 def test_import_a_chatgpt_export_shows_progress_and_the_result_then_lists_it(page, server):
