@@ -34,7 +34,7 @@ from chatserver.accounts.auth import (
     UserFile,
     current_user,
 )
-from chatserver.app import create_app
+from chatserver.app import create_app, make_account_store
 from chatserver.config import ROOT, Settings
 from gateway_sim.simulator import Script, steps
 
@@ -83,7 +83,7 @@ class Server:
     async def __aenter__(self) -> "Server":
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
-        self.accounts = self.app.state.accounts = Accounts(self.settings, clock=self.clock, hasher=self.hasher)
+        self.restart_accounts()
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -94,8 +94,9 @@ class Server:
         return httpx.AsyncClient(transport=transport, base_url=base_url, timeout=30)
 
     def restart_accounts(self) -> None:
-        """What a server restart does to accounts and sessions: read them back from DATA_DIR."""
-        self.accounts = self.app.state.accounts = Accounts(self.settings, clock=self.clock, hasher=self.hasher)
+        """What a server restart does to accounts and sessions: read them back from where STORE keeps them."""
+        store = make_account_store(self.settings, self.app.state.chat.store)
+        self.accounts = self.app.state.accounts = Accounts(self.settings, store, clock=self.clock, hasher=self.hasher)
 
 
 @pytest.fixture
