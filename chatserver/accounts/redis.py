@@ -2,8 +2,9 @@
 on the conversation store's connection and under its key prefix (`chat:` by default).
 
 Keys:
-- `users` a hash: lower-cased name -> the user's record (JSON); `users:local_owner_taken` is set
-  once an admin has inherited the single-person data (owner "local").
+- `users` a hash: lower-cased name -> the user's record (JSON); `users:order` their names in the
+  order they were added (a sorted set numbered by `users:order:next`); `users:local_owner_taken`
+  is set once an admin has inherited the single-person data (owner "local").
 - `session:<sha256 of the id>` the session's record (JSON), expiring SESSION_HOURS after its last
   recorded use (PX, pushed back by each touch, at most once per TOUCH_SECONDS);
   `user_sessions:<lower-cased name>` a set of the digests of a user's sessions, so removing the user
@@ -43,10 +44,11 @@ from chatserver.accounts.store import (
 # The conversation store's `reachable()`: Redis connection failures as StoreUnavailable (a 503).
 Reachable = Callable[[], AbstractContextManager[None]]
 
-# KEYS: users hash, the taken flag. ARGV: lower name, the record inheriting "local", the record with
-# an owner of its own, "1" for an admin. Answers the record stored, or false for a taken name.
+# KEYS: users hash, the taken flag, the order. ARGV: lower name, the record inheriting "local", the
+# record with an owner of its own, "1" for an admin. Answers the record stored, or false for a taken name.
 ADD_USER = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return false end
+redis.call('ZADD', KEYS[3], redis.call('HINCRBY', KEYS[3] .. ':next', 'n', 1), ARGV[1])
 if ARGV[4] == '1' and redis.call('SETNX', KEYS[2], '1') == 1 then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
   return ARGV[2]
@@ -74,13 +76,23 @@ end
 return 1
 """
 
-# KEYS: users hash, the user's session set. ARGV: lower name, session key prefix. The removed record or false.
+# KEYS: users hash, the user's session set, the order. ARGV: lower name, session key prefix.
+# The removed record or false.
 REMOVE_USER = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return false end
 redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
 """ + _END_SESSIONS + """
 return cur
+"""
+
+# KEYS: users hash, the order. ARGV: lower name, record. Adds or replaces (a replaced user keeps its place).
+PUT_USER = """
+if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('ZADD', KEYS[2], redis.call('HINCRBY', KEYS[2] .. ':next', 'n', 1), ARGV[1])
+end
+return 1
 """
 
 # KEYS: session key, users hash. Answers false, or {session, the user it names (nil if none)}.
@@ -228,6 +240,7 @@ class RedisAccountStore:
         self._add_user = redis.register_script(ADD_USER)
         self._set_user = redis.register_script(SET_USER)
         self._remove_user = redis.register_script(REMOVE_USER)
+        self._put_user = redis.register_script(PUT_USER)
         self._read_session = redis.register_script(READ_SESSION)
         self._save_session = redis.register_script(SAVE_SESSION)
 
@@ -235,6 +248,10 @@ class RedisAccountStore:
     @property
     def users_key(self) -> str:
         return f"{self.prefix}users"
+
+    @property
+    def _order_key(self) -> str:
+        return f"{self.prefix}users:order"
 
     def _user_sessions_key(self, name: str) -> str:
         return f"{self.prefix}user_sessions:{name.lower()}"
@@ -254,15 +271,19 @@ class RedisAccountStore:
 
     async def users(self) -> list[dict]:
         with self.reachable():
-            found = await self.redis.hvals(self.users_key)
-        return sorted((orjson.loads(raw) for raw in found), key=lambda u: (u.get("created_at", ""), u["name"].lower()))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.users_key)
+                pipe.zrange(self._order_key, 0, -1)
+                found, order = await pipe.execute()
+        place = {name: i for i, name in enumerate(order)}
+        return [orjson.loads(found[name]) for name in sorted(found, key=lambda n: place.get(n, len(place)))]
 
     async def add_user(self, name: str, password_hash: str | None, admin: bool, now: float) -> dict:
         check_new_name(name)
         inheriting = new_user_record(name, password_hash, admin, now, inherits=True)
         own = {**inheriting, "owner": new_user_record(name, None, admin, now, inherits=False)["owner"]}
         with self.reachable():
-            stored = await self._add_user(keys=[self.users_key, f"{self.users_key}:local_owner_taken"],
+            stored = await self._add_user(keys=[self.users_key, f"{self.users_key}:local_owner_taken", self._order_key],
                                           args=[name.lower(), orjson.dumps(inheriting), orjson.dumps(own),
                                                 "1" if admin else "0"])
         if stored is None:
@@ -290,7 +311,7 @@ class RedisAccountStore:
 
     async def remove_user(self, name: str) -> dict:
         with self.reachable():
-            removed = await self._remove_user(keys=[self.users_key, self._user_sessions_key(name)],
+            removed = await self._remove_user(keys=[self.users_key, self._user_sessions_key(name), self._order_key],
                                               args=[name.lower(), self._session_prefix])
         if removed is None:
             raise BadAccount(f"there is no user named {name!r}")
@@ -340,12 +361,11 @@ class RedisAccountStore:
 
     async def import_accounts(self, dump: AccountsDump) -> None:
         with self.reachable():
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for user in dump.users:
-                    pipe.hset(self.users_key, user["name"].lower(), orjson.dumps(user))
-                if dump.local_owner_taken:
-                    pipe.set(f"{self.users_key}:local_owner_taken", "1")
-                await pipe.execute()
+            for user in dump.users:
+                await self._put_user(keys=[self.users_key, self._order_key],
+                                     args=[user["name"].lower(), orjson.dumps(user)])
+            if dump.local_owner_taken:
+                await self.redis.set(f"{self.users_key}:local_owner_taken", "1")
         for digest, record, left in dump.sessions:
             if left > 0:
                 with self.reachable():
