@@ -513,10 +513,10 @@ async def test_without_accounts_the_local_owner_is_an_admin(client):
 TOKEN = "tok-" + secrets.token_urlsafe(24)
 
 
-@pytest.fixture
-async def tokened(tmp_path, sim):
+@pytest.fixture(params=["files", "redis"])
+async def tokened(request, tmp_path, sim):
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
-                        upstream_timeout=5, access_token=TOKEN)
+                        upstream_timeout=5, access_token=TOKEN, **store_options(request))
     async with Server(settings) as srv:
         yield srv
 

@@ -25,7 +25,7 @@ from chatserver.accounts.files import FileAccountStore, UserFile
 from chatserver.accounts.store import AccountsDump, AccountStore, BadAccount, Throttled
 from chatserver.app import make_account_store, make_store
 from chatserver.config import ROOT, Settings
-from redis_support import unique_prefix
+from redis_support import RedisServer, unique_prefix
 from support import LiveServer
 from test_auth import A_PASSWORD, FAST
 
@@ -181,6 +181,55 @@ def test_a_session_ends_in_redis_by_its_idle_expiry(tmp_path, sim, redis_server)
         client.close()
         a.stop()
         b.stop()
+
+
+def test_user_remove_ends_the_sessions_on_every_server_and_removes_the_data_from_redis(shared, tmp_path, sim):
+    url, a, b = shared
+    add_users(url, ("alice", A_PASSWORD, True), ("bob", "bob's long secret", False))
+    bob_on_a = log_in(a, "bob", "bob's long secret").cookies[SESSION_COOKIE]
+    bob_on_b = log_in(b, "bob", "bob's long secret").cookies[SESSION_COOKIE]
+    alice = log_in(b, "alice", A_PASSWORD).cookies[SESSION_COOKIE]
+    conv = httpx.post(f"{a.base_url}/api/conversations", json={}, cookies={SESSION_COOKIE: bob_on_a}).json()
+
+    removed = user_command(url, tmp_path / "cli" / "data", "remove", "bob", "--yes")
+
+    assert removed.returncode == 0, removed.stderr
+    assert "removed bob and their data: 1 conversations" in removed.stdout
+    for server, session in ((a, bob_on_a), (b, bob_on_a), (a, bob_on_b), (b, bob_on_b)):
+        assert me(server, session) == 401
+    assert log_in(a, "bob", "bob's long secret").status_code == 401
+    assert me(a, alice) == 200
+    client = sync_redis.Redis.from_url(url)
+    try:
+        assert not client.exists(f"chat:conv:{conv['id']}")
+        assert not [k for k in client.scan_iter(match="chat:session:*")
+                    if orjson.loads(client.get(k))["username"] == "bob"]
+    finally:
+        client.close()
+    assert user_command(url, tmp_path / "cli" / "data", "list").stdout.split()[:2] == ["alice", "admin"]
+
+
+def test_while_redis_is_away_a_session_is_a_503_and_afterwards_it_works_again(tmp_path, sim):
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    server = None
+    try:
+        add_users(redis.url, ("alice", A_PASSWORD, True))
+        server = start(tmp_path, "a", redis.url, sim)
+        session = log_in(server, "alice", A_PASSWORD).cookies[SESSION_COOKIE]
+        redis.stop()
+        answer = httpx.get(f"{server.base_url}/api/conversations", cookies={SESSION_COOKIE: session}, timeout=10)
+        assert answer.status_code == 503 and "Redis" in answer.json()["detail"]  # not a 500, not a 401
+        assert log_in(server, "alice", A_PASSWORD).status_code == 503
+        redis.start()  # the same port and AOF: the session was acknowledged, so it is still there
+        deadline = time.monotonic() + 10
+        while me(server, session) != 200:
+            assert time.monotonic() < deadline, "the session did not come back with Redis"
+            time.sleep(0.1)
+    finally:
+        if server is not None:
+            server.stop()
+        redis.stop()
 
 
 # --- One contract, two account stores ------------------------------------------------------------
