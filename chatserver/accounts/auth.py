@@ -22,6 +22,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
@@ -229,7 +230,7 @@ class Accounts:
         await throttle.refund(attempt)
         await throttle.clear(attempt.keys[0])
         log.info("user %r logged in from %s", record["name"], address)
-        if self.hasher.check_needs_rehash(stored):
+        if stored is not None and self.hasher.check_needs_rehash(stored):
             rehashed = await asyncio.to_thread(self.hasher.hash, password)
             await self.store.set_password(record["name"], rehashed, end_sessions=False)
             record = await self.store.find_user(record["name"]) or record
@@ -333,7 +334,8 @@ async def current_user(request: Request) -> User:
     user = request.scope.get("state", {}).get("chat_user")
     if user is None:
         try:
-            user = await accounts(request.app).authenticate(request.scope, _headers(request.scope))
+            scope = cast(dict, request.scope)  # the ASGI scope itself: the origin is kept in it
+            user = await accounts(request.app).authenticate(scope, _headers(scope))
         except Throttled as exc:
             raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
     if user is None:

@@ -85,9 +85,10 @@ async def _run(args: argparse.Namespace, settings: Settings, password: str | Non
             await users.set_password(args.name, PasswordHasher().hash(password))  # and ends their sessions
             print(f"changed the password of {args.name}; their sessions have ended")
         elif args.command == "remove":
-            record = await users.find_user(args.name)
-            if record is None:
+            found = await users.find_user(args.name)
+            if found is None:
                 raise BadAccount(f"there is no user named {args.name!r}")
+            record = found
             what = f"{record['name']} and all their data (conversations with their files, library, memory, presets)"
             if not args.yes and not _confirmed(f"Remove {what}? This cannot be undone. [y/N] "):
                 raise BadAccount(f"nothing removed; to remove {what}, answer y on a terminal or add --yes")

@@ -263,10 +263,13 @@ class RedisAccountStore:
     def _ttl_ms(self, record: dict, now: float) -> int:
         return int((record["last_seen"] + self.idle_seconds - now) * 1000)
 
+    async def _hget(self, key: str, name: str) -> bytes | None:
+        return await self.redis.hget(key, name)  # type: ignore[misc]  # redis-py types it for both clients
+
     # Users.
     async def find_user(self, name: str) -> dict | None:
         with self.reachable():
-            raw = await self.redis.hget(self.users_key, name.lower())
+            raw = await self._hget(self.users_key, name.lower())
         return None if raw is None else orjson.loads(raw)
 
     async def users(self) -> list[dict]:
@@ -293,7 +296,7 @@ class RedisAccountStore:
     async def set_password(self, name: str, password_hash: str, *, end_sessions: bool = True) -> None:
         while True:
             with self.reachable():
-                raw = await self.redis.hget(self.users_key, name.lower())
+                raw = await self._hget(self.users_key, name.lower())
             if raw is None:
                 raise BadAccount(f"there is no user named {name!r}")
             record = {**orjson.loads(raw), "password_hash": password_hash}
