@@ -20,6 +20,7 @@ import orjson
 import pytest
 import redis as sync_redis
 
+from chatserver.accounts import auth
 from chatserver.accounts.auth import FAILURES_PER_USER, SESSION_COOKIE, Accounts, _digest
 from chatserver.accounts.files import FileAccountStore, UserFile
 from chatserver.accounts.store import AccountsDump, AccountStore, BadAccount, Throttled
@@ -27,7 +28,7 @@ from chatserver.app import make_account_store, make_store
 from chatserver.config import ROOT, Settings
 from redis_support import RedisServer, unique_prefix
 from support import LiveServer
-from test_auth import A_PASSWORD, FAST
+from test_auth import A_PASSWORD, FAST, Server
 
 _databases = itertools.count(1)
 PASSWORD = "a shared long secret"
@@ -181,6 +182,36 @@ def test_a_session_ends_in_redis_by_its_idle_expiry(tmp_path, sim, redis_server)
         client.close()
         a.stop()
         b.stop()
+
+
+async def test_a_session_in_use_slides_past_its_idle_time_in_redis_and_ends_once_unused(redis_server, sim, monkeypatch,
+                                                                                       tmp_path):
+    """Each use recorded (here every 0.5 s rather than every minute) pushes the Redis TTL back."""
+    monkeypatch.setattr(auth, "TOUCH_SECONDS", 0.5)
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, upstream_timeout=5, auth="password",
+                        data_dir=tmp_path / "data", store="redis", redis_url=redis_url(redis_server),
+                        session_hours=0.001)  # 3.6 s idle
+    async with Server(settings) as server:
+        server.accounts.clock = time.time
+        await server.accounts.store.add_user("alice", FAST.hash(A_PASSWORD), admin=True, now=time.time())
+        client = sync_redis.Redis.from_url(settings.redis_url)
+        async with server.client() as page:
+            assert (await page.post("/api/auth/login", json={"username": "alice", "password": A_PASSWORD})).status_code == 204
+            # Sent by hand: the browser's copy has a Max-Age of whole seconds (3 here), the server's does not.
+            cookie = {"cookie": f"{SESSION_COOKIE}={page.cookies[SESSION_COOKIE]}"}
+            page.cookies.clear()
+            key = f"chat:session:{_digest(cookie['cookie'].partition('=')[2])}"
+            ends_unused = time.monotonic() + client.pttl(key) / 1000
+            while time.monotonic() < ends_unused + 2:  # in use well past when it would have ended unused
+                assert (await page.get("/api/auth/me", headers=cookie)).status_code == 200
+                await asyncio.sleep(0.1)
+            assert client.exists(key)
+            deadline = time.monotonic() + 10
+            while client.exists(key):  # then unused: Redis lets it go by itself
+                assert time.monotonic() < deadline, "the unused session never expired"
+                await asyncio.sleep(0.1)
+            assert (await page.get("/api/auth/me", headers=cookie)).status_code == 401
+        client.close()
 
 
 def test_user_remove_ends_the_sessions_on_every_server_and_removes_the_data_from_redis(shared, tmp_path, sim):
