@@ -35,8 +35,11 @@ PASSWORD = "a shared long secret"
 
 
 def redis_url(redis_server) -> str:
-    """A database of this module's redis-server no other test here uses."""
-    return f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"
+    """A database of this module's redis-server, emptied for the test (the tests run one at a time on it)."""
+    url = f"redis://127.0.0.1:{redis_server.port}/{1 + next(_databases) % 15}"  # 0: the migration's prefixes
+    with sync_redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return url
 
 
 def add_users(url: str, *users: tuple[str, str, bool]) -> dict[str, dict]:
@@ -164,13 +167,14 @@ def test_a_server_restarted_with_an_empty_data_dir_keeps_users_and_sessions(tmp_
 def test_a_session_ends_in_redis_by_its_idle_expiry(tmp_path, sim, redis_server):
     url = redis_url(redis_server)
     add_users(url, ("alice", A_PASSWORD, True))
-    a, b = start(tmp_path, "a", url, sim, SESSION_HOURS="0.001"), start(tmp_path, "b", url, sim, SESSION_HOURS="0.001")
+    # 0.002 h = 7.2 s: short, with room for a loaded machine's pauses between login and the checks.
+    a, b = start(tmp_path, "a", url, sim, SESSION_HOURS="0.002"), start(tmp_path, "b", url, sim, SESSION_HOURS="0.002")
     client = sync_redis.Redis.from_url(url)
     try:
         response = log_in(a, "alice", A_PASSWORD)
         session = response.cookies[SESSION_COOKIE]
         key = f"chat:session:{_digest(session)}".encode()
-        assert client.exists(key) and 0 < client.pttl(key) <= 3600  # 0.001 h = 3.6 s, as a Redis TTL
+        assert client.exists(key) and 0 < client.pttl(key) <= 7200  # SESSION_HOURS as a Redis TTL
         assert me(b, session) == 200
         assert session.encode() not in b"".join(client.keys("chat:*"))  # only its digest is a key
         deadline = time.monotonic() + 20
@@ -190,7 +194,7 @@ async def test_a_session_in_use_slides_past_its_idle_time_in_redis_and_ends_once
     monkeypatch.setattr(auth, "TOUCH_SECONDS", 0.5)
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, upstream_timeout=5, auth="password",
                         data_dir=tmp_path / "data", store="redis", redis_url=redis_url(redis_server),
-                        session_hours=0.001)  # 3.6 s idle
+                        session_hours=0.002)  # 7.2 s idle: room for a loaded machine's pauses
     async with Server(settings) as server:
         server.accounts.clock = time.time
         await server.accounts.store.add_user("alice", FAST.hash(A_PASSWORD), admin=True, now=time.time())
