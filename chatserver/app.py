@@ -11,7 +11,7 @@ import asyncio
 import gc
 import logging
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import httpx
@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from chatserver.accounts.auth import Accounts
+from chatserver.accounts.files import FileAccountStore
+from chatserver.accounts.store import AccountStore
 from chatserver.api import attachments as attachment_routes
 from chatserver.api import auth as auth_routes
 from chatserver.api import conversations, memory, models, quota, site
@@ -56,6 +58,19 @@ def make_redis_store(settings: Settings) -> RedisStore:
     ttl = settings.conversation_ttl_days * 86_400 if settings.conversation_ttl_days else None
     return RedisStore(settings.redis_url, ttl_seconds=ttl, lock_ttl_ms=int(settings.turn_lock_seconds * 1000),
                       heartbeat_seconds=settings.heartbeat_seconds)
+
+
+def make_account_store(settings: Settings, store: Store) -> AccountStore:
+    """Where accounts, sessions and the login throttle live: beside the conversations of the store
+    STORE names. On Redis they share its connection and key prefix, so every server sees the same
+    users, sessions and count of guesses; on files they serve one process, as the store does."""
+    idle = settings.session_hours * 3600
+    if settings.store == "redis":
+        from chatserver.accounts.redis import RedisAccountStore
+
+        shared = cast("RedisStore", store)  # make_store made it so for STORE=redis
+        return RedisAccountStore(shared.redis, shared.prefix, idle, shared.reachable)
+    return FileAccountStore(settings.data_dir, idle)
 
 
 EXPIRY_INTERVAL = 3600  # seconds between passes over the file store for CONVERSATION_TTL_DAYS
@@ -127,9 +142,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 events = RedisPersonEvents(shared.redis, shared.prefix)  # pages hear of every process's changes
                 hub = RedisTurnHub(turns, shared, events)  # Stop and re-attach reach turns running in other processes
             app.state.chat = State(active, store, turns, attachments, hub=hub, events=events)
+            account_store = make_account_store(active, store)
             # With passwords, Accounts makes its argon2 dummy hash (a while, 64 MiB) off the event loop.
-            app.state.accounts = await asyncio.to_thread(Accounts, active) if active.auth == "password" \
-                else Accounts(active)
+            app.state.accounts = await asyncio.to_thread(Accounts, active, account_store) \
+                if active.auth == "password" else Accounts(active, account_store)
             turns.tool_runtime = app.state.chat.tool_runtime
             turns.lineup = app.state.chat.lineup
             try:
@@ -142,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await store.flush()
                 attachments.close()
                 await app.state.search.close()
+                await account_store.close()
                 await store.close()
                 if demo is not None:
                     await demo.stop_async()

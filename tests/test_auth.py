@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Annotated
 import httpx
 import orjson
 import pytest
+import redis as sync_redis
 from argon2 import PasswordHasher
 from fastapi import Depends
 from pydantic import ValidationError
@@ -34,7 +36,7 @@ from chatserver.accounts.auth import (
     UserFile,
     current_user,
 )
-from chatserver.app import create_app
+from chatserver.app import create_app, make_account_store
 from chatserver.config import ROOT, Settings
 from gateway_sim.simulator import Script, steps
 
@@ -83,7 +85,7 @@ class Server:
     async def __aenter__(self) -> "Server":
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
-        self.accounts = self.app.state.accounts = Accounts(self.settings, clock=self.clock, hasher=self.hasher)
+        self.restart_accounts()
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -94,18 +96,44 @@ class Server:
         return httpx.AsyncClient(transport=transport, base_url=base_url, timeout=30)
 
     def restart_accounts(self) -> None:
-        """What a server restart does to accounts and sessions: read them back from DATA_DIR."""
-        self.accounts = self.app.state.accounts = Accounts(self.settings, clock=self.clock, hasher=self.hasher)
+        """What a server restart does to accounts and sessions: read them back from where STORE keeps them."""
+        store = make_account_store(self.settings, self.app.state.chat.store)
+        self.accounts = self.app.state.accounts = Accounts(self.settings, store, clock=self.clock, hasher=self.hasher)
+
+
+_databases = itertools.count(1)
+
+
+def store_options(request) -> dict:
+    """Settings for the store a test is parametrized with: files, or a Redis database emptied for it."""
+    if request.param == "files":
+        return {}
+    url = f"{request.getfixturevalue('redis_server').url[:-2]}/{next(_databases) % 16}"
+    with contextlib.closing(sync_redis.Redis.from_url(url)) as r:
+        r.flushdb()  # this module's tests run one after another on this Redis; an earlier one may have used it
+    return {"store": "redis", "redis_url": url}
 
 
 @pytest.fixture
-async def server(tmp_path, sim):
+async def file_server(tmp_path, sim):
+    """A server keeping accounts in DATA_DIR (STORE=files), whose files the test may read."""
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
                         upstream_timeout=5, auth="password", trusted_proxies=["10.0.0.1"])
     users = UserFile(settings.data_dir)
     users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
     users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
     async with Server(settings) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["files", "redis"])
+async def server(request, tmp_path, sim):
+    """The same server on either store: what a person sees of accounts does not depend on STORE."""
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                        upstream_timeout=5, auth="password", trusted_proxies=["10.0.0.1"], **store_options(request))
+    async with Server(settings) as srv:
+        await srv.accounts.store.add_user("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
+        await srv.accounts.store.add_user("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
         yield srv
 
 
@@ -163,8 +191,8 @@ async def test_nothing_changes_on_a_401(server, sim):
 
 # --- Logging in and out -------------------------------------------------------------------------
 
-async def test_login_sets_an_httponly_lax_cookie_and_me_names_the_user(server):
-    async with server.client() as client:
+async def test_login_sets_an_httponly_lax_cookie_and_me_names_the_user(file_server):
+    async with file_server.client() as client:
         response = await log_in(client, "Alice", A_PASSWORD)  # names are case-insensitive
         assert response.status_code == 204
         attributes = [a.strip().lower() for a in response.headers["set-cookie"].split(";")]
@@ -174,9 +202,9 @@ async def test_login_sets_an_httponly_lax_cookie_and_me_names_the_user(server):
         assert (await client.get("/api/auth/me")).json() == {"username": "alice", "admin": True}
         session_id = client.cookies["chat_session"]
         assert len(session_id) >= 40
-    stored = (server.settings.data_dir / "sessions.json").read_text()
+    stored = (file_server.settings.data_dir / "sessions.json").read_text()
     assert session_id not in stored  # only its hash is kept
-    async with server.client() as client:
+    async with file_server.client() as client:
         await log_in(client, "bob", B_PASSWORD)
         assert (await client.get("/api/auth/me")).json() == {"username": "bob", "admin": False}
 
@@ -224,32 +252,34 @@ async def test_sessions_expire_after_session_hours_idle_and_slide_while_used(ser
         assert (await client.get("/api/auth/me")).status_code == 401
 
 
-async def test_a_restart_keeps_people_logged_in_and_last_seen_is_written_at_most_once_a_minute(server):
-    path = server.settings.data_dir / "sessions.json"
-    async with server.client() as client:
+async def test_a_restart_keeps_people_logged_in_and_last_seen_is_written_at_most_once_a_minute(file_server):
+    path = file_server.settings.data_dir / "sessions.json"
+    async with file_server.client() as client:
         await log_in(client, "alice", A_PASSWORD)
         written = path.read_bytes()
-        server.clock.now += 30
+        file_server.clock.now += 30
         assert (await client.get("/api/conversations")).status_code == 200
         assert path.read_bytes() == written  # a request within the minute writes nothing
-        server.clock.now += 31
+        file_server.clock.now += 31
         assert (await client.get("/api/conversations")).status_code == 200
         [session] = orjson.loads(path.read_bytes())["sessions"].values()
-        assert session["last_seen"] == server.clock.now and session["username"] == "alice"
+        assert session["last_seen"] == file_server.clock.now and session["username"] == "alice"
 
-        server.restart_accounts()
+        file_server.restart_accounts()
         assert (await client.get("/api/auth/me")).json()["username"] == "alice"
 
 
 async def test_removing_a_user_or_changing_the_password_ends_their_sessions(server):
-    users = UserFile(server.settings.data_dir)
-    async with server.client() as a, server.client() as b:
+    users = server.accounts.store
+    async with server.client() as a, server.client() as b, server.client() as c:
         await log_in(a, "alice", A_PASSWORD)
         await log_in(b, "bob", B_PASSWORD)
-        users.set_password("alice", FAST.hash("a brand new secret"))
+        await log_in(c, "alice", A_PASSWORD)
+        await users.set_password("alice", FAST.hash("a brand new secret"))
         assert (await a.get("/api/conversations")).status_code == 401
+        assert (await c.get("/api/conversations")).status_code == 401
         assert (await b.get("/api/conversations")).status_code == 200
-        users.remove("bob")
+        await users.remove_user("bob")
         assert (await b.get("/api/conversations")).status_code == 401
         assert (await log_in(b, "bob", B_PASSWORD)).status_code == 401
 
@@ -428,11 +458,11 @@ async def test_routes_learn_their_user_and_owner_from_one_dependency(tmp_path, s
 
 # --- AUTH=header --------------------------------------------------------------------------------
 
-@pytest.fixture
-async def proxied(tmp_path, sim):
+@pytest.fixture(params=["files", "redis"])
+async def proxied(request, tmp_path, sim):
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
                         upstream_timeout=5, auth="header", trusted_proxies=["10.0.0.1", "10.1.0.0/16"],
-                        admin_users="Root")
+                        admin_users="Root", **store_options(request))
     async with Server(settings) as srv:
         yield srv
 
@@ -462,9 +492,10 @@ async def test_header_users_are_created_on_first_sight_and_admin_users_are_admin
         assert (await client.get("/api/auth/me", headers={"x-forwarded-user": "root"})).json() == \
             {"username": "root", "admin": True}
         await client.get("/api/auth/me", headers={"x-forwarded-user": "dave@example.com"})
-    users = UserFile(proxied.settings.data_dir)
-    assert users.find("ROOT")["owner"] == LOCAL_OWNER
-    assert users.find("dave@example.com")["password_hash"] is None
+    users = proxied.accounts.store  # users.json, or Redis: wherever STORE keeps accounts
+    assert (await users.find_user("ROOT"))["owner"] == LOCAL_OWNER
+    assert (await users.find_user("dave@example.com"))["password_hash"] is None
+    assert [u["name"] for u in await users.users()] == ["root", "dave@example.com"]
     async with proxied.client(peer="10.0.0.1") as client:  # no password login in header mode
         response = await log_in(client, "dave@example.com", "anything at all")
         assert response.status_code == 400
@@ -482,10 +513,10 @@ async def test_without_accounts_the_local_owner_is_an_admin(client):
 TOKEN = "tok-" + secrets.token_urlsafe(24)
 
 
-@pytest.fixture
-async def tokened(tmp_path, sim):
+@pytest.fixture(params=["files", "redis"])
+async def tokened(request, tmp_path, sim):
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
-                        upstream_timeout=5, access_token=TOKEN)
+                        upstream_timeout=5, access_token=TOKEN, **store_options(request))
     async with Server(settings) as srv:
         yield srv
 
@@ -607,11 +638,11 @@ def index_rows(data: Path, owner: str) -> int:
                    for table in ("convs", "docs"))
 
 
-async def test_user_remove_removes_the_persons_data_once_confirmed(server, sim, tmp_path):
+async def test_user_remove_removes_the_persons_data_once_confirmed(file_server, sim, tmp_path):
     # It used to drop the account only: conversations, files, memory and presets stayed on disk.
-    data = server.settings.data_dir
+    data = file_server.settings.data_dir
     owners = {u["name"]: u["owner"] for u in UserFile(data).load()["users"]}
-    async with server.client() as alice, server.client() as bob:
+    async with file_server.client() as alice, file_server.client() as bob:
         assert (await log_in(alice, "alice", A_PASSWORD)).status_code == 204
         assert (await log_in(bob, "bob", B_PASSWORD)).status_code == 204
         kept = await a_person_with_data(alice, sim, A_PASSWORD, "zanzibar")

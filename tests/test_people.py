@@ -32,10 +32,10 @@ async def server(request, tmp_path, sim):
                  "redis_url": f"{request.getfixturevalue('redis_server').url}/{next(_databases) % 16}"}
     settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
                         upstream_timeout=5, auth="password", keep_recent_messages=2, **store)
-    users = UserFile(settings.data_dir)
-    users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
-    users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
     async with Server(settings) as srv:
+        # Where STORE keeps accounts: users.json, or the Redis the conversations are in.
+        await srv.accounts.store.add_user("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
+        await srv.accounts.store.add_user("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
         yield srv
 
 

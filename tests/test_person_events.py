@@ -18,6 +18,7 @@ from chatserver.accounts.auth import UserFile
 from gateway_sim.simulator import Script, steps
 from support import LiveServer
 from test_auth import A_PASSWORD, B_PASSWORD, FAST
+from test_shared_accounts import add_users
 
 WITHIN = 1.0  # seconds a change may take to reach another page: the bound
 _databases = itertools.count(1)
@@ -150,10 +151,11 @@ def test_the_events_need_a_signed_in_person(people_server):
 def test_a_change_made_on_one_server_reaches_a_page_connected_to_the_other(tmp_path, sim, redis_server):
     env = {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis", "AUTH": "password",
            "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"}
+    add_users(env["REDIS_URL"], ("alice", A_PASSWORD, True), ("bob", B_PASSWORD, False))  # in Redis, for both
     servers = []
     try:
         for name in ("a", "b"):
-            accounts(tmp_path / name / "data")  # each its own directory: the accounts file, as two machines
+            (tmp_path / name).mkdir()  # each its own directory, as two machines
             servers.append(LiveServer(tmp_path / name / "data", env))
         a, b = servers
         alice_on_a = logged_in(a.base_url, "alice", A_PASSWORD)

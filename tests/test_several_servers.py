@@ -14,12 +14,12 @@ import time
 import httpx
 import pytest
 
-from chatserver.accounts.auth import UserFile
 from gateway_sim.simulator import Script, steps
 from redis_support import RedisServer
 from support import LiveServer, hang_up_after_first_delta, parse_sse
-from test_auth import A_PASSWORD, B_PASSWORD, FAST
+from test_auth import A_PASSWORD, B_PASSWORD
 from test_reattach import WHOLE, Reader, assert_running, has_delta, slow_reply, start_conversation, text_of
+from test_shared_accounts import add_users
 
 _databases = itertools.count(1)
 
@@ -150,12 +150,11 @@ def test_a_turn_running_on_one_server_is_409_on_the_other(pair, sim):
 
 def test_ownership_holds_the_same_on_both_servers(tmp_path, sim, redis_server):
     database = f"redis://127.0.0.1:{redis_server.port}/{next(_databases) % 16}"
+    add_users(database, ("alice", A_PASSWORD, True), ("bob", B_PASSWORD, False))  # in Redis: one bob for both
     servers = []
     for name in ("a", "b"):
         data_dir = tmp_path / name / "data"
-        users = UserFile(data_dir)
-        users.add("alice", FAST.hash(A_PASSWORD), admin=True, now=0)
-        users.add("bob", FAST.hash(B_PASSWORD), admin=False, now=0)
+        data_dir.parent.mkdir()
         servers.append(LiveServer(data_dir, {"GATEWAY_BASE_URL": sim.base_url, "STORE": "redis",
                                              "REDIS_URL": database, "AUTH": "password"}))
     a, b = servers

@@ -4,48 +4,49 @@ Promises: `Accounts.authenticate(scope, headers)` names the `User` behind a requ
 for every AUTH mode; sessions are random ids of which only a sha256 is kept, expire after
 SESSION_HOURS idle and survive a restart; failed logins are throttled and logged, each guess
 counted before it is checked; a wrong name and a wrong password cost one argon2 verification
-each and read the same. Where a request comes from is decided from its TCP peer alone
-(`request_origin`): X-Forwarded-* headers count only from TRUSTED_PROXIES.
+each and read the same. Users, sessions and the throttle's counts live in the `AccountStore`
+it is given (accounts/store.py): files for one process, or the Redis every server shares.
+Where a request comes from is decided from its TCP peer alone (`request_origin`): X-Forwarded-*
+headers count only from TRUSTED_PROXIES.
 Does not know: what a user owns (the store scopes data by `User.owner`) or which routes exist.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import hmac
 import ipaddress
 import logging
-import math
-import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import cast
 
-import orjson
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 from fastapi import HTTPException, Request
 
+# UserFile and WINDOW_SECONDS are named here too, where the tests and older callers look for them.
+from chatserver.accounts.files import UserFile as UserFile
+from chatserver.accounts.store import (
+    FAILURES_PER_ADDRESS,
+    FAILURES_PER_USER,
+    LOCAL_OWNER,
+    USERNAME,
+    AccountStore,
+    BadAccount,
+    Throttled,
+)
+from chatserver.accounts.store import WINDOW_SECONDS as WINDOW_SECONDS
 from chatserver.config import Settings
-from chatserver.store.files import atomic_write
 
 log = logging.getLogger("chat.auth")
 
 SESSION_COOKIE = "chat_session"
 TOKEN_COOKIE = "chat_token"
-USERNAME = re.compile(r"[A-Za-z0-9_.@+-]{1,64}")
 MIN_PASSWORD_CHARS = 8
-# Failed guesses allowed in WINDOW before 429: for one name from one address, and from one address
-# for any names. A repeated identical guess counts once, so a client retrying a stale password does
-# not lock its address out; guesses from one address never lock the name out for another.
-FAILURES_PER_USER = 5
-FAILURES_PER_ADDRESS = 20
-WINDOW_SECONDS = 15 * 60
 # Past this many guesses at one name from all addresses in WINDOW, its logins are paced (one per
 # NAME_PACE_SECONDS) rather than refused: many addresses guess slowly, and the owner still gets in.
 NAME_CEILING = 20
@@ -54,9 +55,6 @@ NAME_PACE_SECONDS = 2.0
 TOUCH_SECONDS = 60
 # Each argon2 verification holds 64 MiB; a flood of logins must not hold gigabytes.
 CONCURRENT_VERIFICATIONS = 2
-# The owner id of today's single-person data; the first admin account inherits it.
-LOCAL_OWNER = "local"
-SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,190 +69,8 @@ class User:
 LOCAL = User(LOCAL_OWNER, admin=True, owner=LOCAL_OWNER)
 
 
-class Throttled(Exception):
-    """Too many failed guesses from this user name or address; retry after `retry_after` seconds."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"too many failed attempts; try again in {retry_after} s")
-        self.retry_after = retry_after
-
-
 class WrongCredentials(Exception):
     """The one answer for an unknown user, a wrong password and a wrong token."""
-
-
-class BadAccount(ValueError):
-    """A user-file change that cannot be made (bad name, taken name, short password, unknown user)."""
-
-
-# --- Users: DATA_DIR/users.json, shared by the server and `python server.py user ...` -----------
-
-class UserFile:
-    """The accounts in DATA_DIR/users.json; read-modify-write happens under a file lock."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = Path(data_dir) / "users.json"
-        self._cache: dict = {"users": []}
-        self._stamp: tuple[int, int] | None = None
-
-    def load(self) -> dict:
-        """The file's content, re-read only when it changed (the CLI edits it under a running server)."""
-        try:
-            stat = self.path.stat()
-        except FileNotFoundError:
-            self._cache, self._stamp = {"users": []}, None
-            return self._cache
-        if (stat.st_mtime_ns, stat.st_size) != self._stamp:
-            self._cache = orjson.loads(self.path.read_bytes())
-            self._stamp = (stat.st_mtime_ns, stat.st_size)
-        return self._cache
-
-    def find(self, name: str) -> dict | None:
-        wanted = name.lower()
-        return next((u for u in self.load()["users"] if u["name"].lower() == wanted), None)
-
-    @contextmanager
-    def edit(self) -> Iterator[dict]:
-        """Yield the content to change in place; it is written atomically when the block ends."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name("users.json.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            self._stamp = None
-            content = self.load()
-            yield content
-            content["schema_version"] = SCHEMA_VERSION
-            atomic_write(self.path, orjson.dumps(content, option=orjson.OPT_INDENT_2))
-            self._stamp = None
-
-    def add(self, name: str, password_hash: str | None, admin: bool, now: float) -> dict:
-        """A new account; the first admin ever made inherits the single-person data (owner "local")."""
-        if not USERNAME.fullmatch(name):
-            raise BadAccount(f"user names are 1-64 of A-Z a-z 0-9 _ . @ + -, not {name!r}")
-        if name.lower() == LOCAL_OWNER:
-            raise BadAccount(f"the name {LOCAL_OWNER!r} is reserved for the one person of AUTH=none")
-        with self.edit() as content:
-            if any(u["name"].lower() == name.lower() for u in content["users"]):
-                raise BadAccount(f"there is already a user named {name!r}")
-            inherits = admin and not content.get("local_owner_taken")
-            record = {"name": name, "admin": admin, "password_hash": password_hash,
-                      "created_at": _iso(now), "owner": LOCAL_OWNER if inherits else f"u-{secrets.token_hex(8)}",
-                      "epoch": secrets.token_hex(8)}
-            content["users"].append(record)
-            content["local_owner_taken"] = content.get("local_owner_taken", False) or inherits
-        return record
-
-    def set_password(self, name: str, password_hash: str, end_sessions: bool = True) -> None:
-        """Change a password; a new epoch ends every session the user had."""
-        with self.edit() as content:
-            record = _named(content, name)
-            record["password_hash"] = password_hash
-            if end_sessions:
-                record["epoch"] = secrets.token_hex(8)
-
-    def remove(self, name: str) -> dict:
-        with self.edit() as content:
-            record = _named(content, name)
-            content["users"].remove(record)
-        return record
-
-
-def _named(content: dict, name: str) -> dict:
-    record = next((u for u in content["users"] if u["name"].lower() == name.lower()), None)
-    if record is None:
-        raise BadAccount(f"there is no user named {name!r}")
-    return record
-
-
-def _iso(seconds: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-
-
-# --- Throttling -------------------------------------------------------------------------------
-
-class Attempt:
-    """One guess counted against its keys from the moment it was reserved until settled or refunded."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = keys
-
-
-class Limiter:
-    """Attempts per key (a name from an address, an address) in a sliding window, in memory.
-
-    An attempt is reserved before its guess is checked, so concurrent guesses cannot all pass the
-    check before the first of them fails; only a right guess gives its reservation back.
-    """
-
-    MAX_KEYS = 50_000  # a flood of made-up names or addresses cannot grow it without bound
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        # key -> {digest of a failed guess, or an Attempt still in flight: when it was counted}
-        self._attempts: dict[str, dict[bytes | Attempt, float]] = {}
-        self._turns: dict[str, float] = {}  # key -> monotonic time of its next paced attempt
-        self._salt = secrets.token_bytes(16)  # guesses are kept as keyed digests, never as text
-
-    def reserve(self, limits: list[tuple[str, int | None]]) -> Attempt:
-        """Count one attempt against every key; Throttled when a key with a limit has used it up.
-
-        A key whose limit is None is counted but never refuses (the per-name ceiling, see `turn`).
-        """
-        now = self.clock()
-        waits = []
-        for key, limit in limits:
-            times = self._recent(key, now)
-            if limit is not None and len(times) >= limit:
-                waits.append(min(times) + WINDOW_SECONDS - now)
-        if waits:
-            raise Throttled(max(1, math.ceil(max(waits))))
-        attempt = Attempt([key for key, _ in limits])
-        for key in attempt.keys:
-            self._attempts.setdefault(key, {})[attempt] = now
-        if len(self._attempts) > self.MAX_KEYS:
-            self._attempts = {k: v for k, v in self._attempts.items() if self._recent(k, now)}
-            self._turns = {k: t for k, t in self._turns.items() if t > time.monotonic()}
-        return attempt
-
-    def fail(self, attempt: Attempt, guess: str) -> bool:
-        """The attempt was a wrong guess; False when it repeats a guess already counted (it then counts once)."""
-        now = self.clock()
-        digest = hmac.new(self._salt, guess.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
-        new = False
-        for key in attempt.keys:
-            seen = self._attempts.setdefault(key, {})
-            seen.pop(attempt, None)
-            new = new or digest not in seen
-            seen[digest] = now
-        return new
-
-    def refund(self, attempt: Attempt) -> None:
-        """The attempt was right: it counts against nothing."""
-        for key in attempt.keys:
-            self._attempts.get(key, {}).pop(attempt, None)
-
-    def clear(self, key: str) -> None:
-        self._attempts.pop(key, None)
-
-    def turn(self, key: str, ceiling: int, spacing: float) -> float:
-        """Seconds to wait before this attempt: past `ceiling` attempts on `key`, they go `spacing` apart."""
-        if len(self._recent(key, self.clock())) <= ceiling:
-            return 0.0
-        now = time.monotonic()
-        start = max(now, self._turns.get(key, now))
-        self._turns[key] = start + spacing
-        return start - now
-
-    def _recent(self, key: str, now: float) -> list[float]:
-        seen = self._attempts.get(key)
-        if not seen:
-            return []
-        for entry in [e for e, t in seen.items() if now - t >= WINDOW_SECONDS]:
-            del seen[entry]
-        if not seen:
-            del self._attempts[key]
-        return list(seen.values())
 
 
 # --- Requests ---------------------------------------------------------------------------------
@@ -360,19 +176,14 @@ def unauthorised_detail(settings: Settings) -> str:
 # --- Accounts: the server side ----------------------------------------------------------------
 
 class Accounts:
-    """Users, sessions and the limiter of one running server."""
+    """Who is who for one running server, through the account store STORE names (`store`)."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
+    def __init__(self, settings: Settings, store: AccountStore, clock: Callable[[], float] = time.time,
                  hasher: PasswordHasher | None = None) -> None:
         self.settings = settings
+        self.store = store
         self.clock = clock
         self.hasher = hasher or PasswordHasher()
-        self.users = UserFile(settings.data_dir)
-        self.limiter = Limiter(clock)
-        self.sessions_path = Path(settings.data_dir) / "sessions.json"
-        self._sessions: dict[str, dict] = self._read_sessions()
-        self._persisted_seen = {k: s["last_seen"] for k, s in self._sessions.items()}
-        self._write_lock = asyncio.Lock()
         self._verifications = asyncio.Semaphore(CONCURRENT_VERIFICATIONS)
         # Unknown names verify against this, so they cost what a known name costs from the first try.
         self._dummy_hash = self.hasher.hash(secrets.token_urlsafe(16)) if settings.auth == "password" else None
@@ -385,10 +196,9 @@ class Accounts:
         """
         mode = self.settings.auth
         if mode == "header":
-            return self._header_user(request_origin(scope, self.settings))
+            return await self._header_user(request_origin(scope, self.settings))
         if mode == "password":
-            record = await self._session(cookie(headers, SESSION_COOKIE), "password")
-            return self._account_user(record) if record else None
+            return await self._session(cookie(headers, SESSION_COOKIE), "password")
         token = self.settings.access_token
         if token is None:
             return LOCAL
@@ -398,31 +208,32 @@ class Accounts:
             if await self._token_guess(offered, request_origin(scope, self.settings).address):
                 return LOCAL
             return None
-        return LOCAL if await self._session(cookie(headers, TOKEN_COOKIE), "token") else None
+        return await self._session(cookie(headers, TOKEN_COOKIE), "token")
 
     async def login(self, username: str, password: str, address: str) -> str:
         """A new session id for a right name and password; WrongCredentials or Throttled otherwise."""
         name = f"user:{username.lower()}"
-        attempt = self.limiter.reserve([(f"{name} address:{address}", FAILURES_PER_USER),
-                                        (f"address:{address}", FAILURES_PER_ADDRESS), (name, None)])
-        wait = self.limiter.turn(name, NAME_CEILING, NAME_PACE_SECONDS)
+        throttle = self.store.throttle
+        attempt = await throttle.reserve([(f"{name} address:{address}", FAILURES_PER_USER),
+                                          (f"address:{address}", FAILURES_PER_ADDRESS), (name, None)], self.clock())
+        wait = await throttle.turn(name, NAME_CEILING, NAME_PACE_SECONDS, self.clock())
         if wait:
             await asyncio.sleep(wait)
-        record = self.users.find(username) if USERNAME.fullmatch(username) else None
+        record = await self.store.find_user(username) if USERNAME.fullmatch(username) else None
         stored = record.get("password_hash") if record else None
         # Unknown names verify against a dummy hash: the same work, so the same time.
         right = await self._verify(stored or self._dummy_hash, password) and stored is not None
-        if not right:
-            if self.limiter.fail(attempt, f"{username.lower()}\0{password}"):
+        if not right or record is None:
+            if await throttle.fail(attempt, f"{username.lower()}\0{password}", self.clock()):
                 log.warning("failed login for user %r from %s", username, address)
             raise WrongCredentials
-        self.limiter.refund(attempt)
-        self.limiter.clear(attempt.keys[0])
+        await throttle.refund(attempt)
+        await throttle.clear(attempt.keys[0])
         log.info("user %r logged in from %s", record["name"], address)
-        if self.hasher.check_needs_rehash(stored):
+        if stored is not None and self.hasher.check_needs_rehash(stored):
             rehashed = await asyncio.to_thread(self.hasher.hash, password)
-            self.users.set_password(record["name"], rehashed, end_sessions=False)
-            record = self.users.find(record["name"])
+            await self.store.set_password(record["name"], rehashed, end_sessions=False)
+            record = await self.store.find_user(record["name"]) or record
         return await self._new_session(record["name"], "password", record["epoch"])
 
     async def login_token(self, offered: str, address: str) -> str:
@@ -432,44 +243,42 @@ class Accounts:
         return await self._new_session(LOCAL_OWNER, "token", "")
 
     async def logout(self, session_id: str | None) -> None:
-        if session_id and self._sessions.pop(_digest(session_id), None) is not None:
-            await self._write_sessions()
+        if session_id:
+            await self.store.end_session(_digest(session_id))
 
     # --- inside
 
-    def _header_user(self, origin: Origin) -> User | None:
+    async def _header_user(self, origin: Origin) -> User | None:
         name = origin.forwarded_user  # None unless a trusted proxy sent the header exactly once
         if name is None or not USERNAME.fullmatch(name) or name.lower() == LOCAL_OWNER:
             return None
-        record = self.users.find(name)
+        record = await self.store.find_user(name)
         if record is None:
             try:
-                record = self.users.add(name, None, name.lower() in self.settings.admin_users, self.clock())
+                record = await self.store.add_user(name, None, name.lower() in self.settings.admin_users, self.clock())
                 log.info("new user %r, named by the proxy", name)
             except BadAccount:  # another process added it a moment ago
-                record = self.users.find(name)
-        return self._user(record)
-
-    def _account_user(self, session: dict) -> User | None:
-        record = self.users.find(session["username"])
-        if record is None or record.get("epoch") != session.get("epoch"):
-            return None  # removed, or the password changed since this session began
-        return self._user(record)
+                record = await self.store.find_user(name)
+        return self._user(record) if record is not None else None
 
     def _user(self, record: dict) -> User:
         admin = bool(record.get("admin")) or record["name"].lower() in self.settings.admin_users
         return User(record["name"], admin, record["owner"])
 
     async def _token_guess(self, offered: str, address: str) -> bool:
-        attempt = self.limiter.reserve([(f"address:{address}", FAILURES_PER_ADDRESS)])
-        if hmac.compare_digest(offered.encode("utf-8", "surrogatepass"), self.settings.access_token.encode()):
-            self.limiter.refund(attempt)
+        throttle = self.store.throttle
+        attempt = await throttle.reserve([(f"address:{address}", FAILURES_PER_ADDRESS)], self.clock())
+        token = self.settings.access_token or ""
+        if token and hmac.compare_digest(offered.encode("utf-8", "surrogatepass"), token.encode()):
+            await throttle.refund(attempt)
             return True
-        if self.limiter.fail(attempt, offered):
+        if await throttle.fail(attempt, offered, self.clock()):
             log.warning("wrong access token from %s", address)
         return False
 
-    async def _verify(self, stored: str, password: str) -> bool:
+    async def _verify(self, stored: str | None, password: str) -> bool:
+        if stored is None:
+            return False
         async with self._verifications:
             try:
                 return await asyncio.to_thread(self.hasher.verify, stored, password)
@@ -479,65 +288,40 @@ class Accounts:
     async def _new_session(self, username: str, kind: str, epoch: str) -> str:
         session_id = secrets.token_urlsafe(32)
         now = self.clock()
-        self._sessions[_digest(session_id)] = {"username": username, "kind": kind, "epoch": epoch,
-                                               "created": now, "last_seen": now}
-        await self._write_sessions()
+        await self.store.save_session(_digest(session_id), {"username": username, "kind": kind, "epoch": epoch,
+                                                            "created": now, "last_seen": now}, now)
         return session_id
 
-    async def _session(self, session_id: str | None, kind: str) -> dict | None:
-        """The live session record for this id, its idle clock restarted; None when unknown or expired."""
+    async def _session(self, session_id: str | None, kind: str) -> User | None:
+        """The user of a live session of this kind, its idle clock restarted; None when unknown or ended.
+
+        A password session ends with its user's removal or a new epoch (a changed password)."""
         if not session_id:
             return None
         key = _digest(session_id)
-        record = self._sessions.get(key)
-        if record is None or record["kind"] != kind:
+        found = await self.store.session(key)
+        if found is None:
+            return None
+        record, account = found
+        if record.get("kind") != kind:
             return None
         now = self.clock()
-        if now - record["last_seen"] > self.settings.session_hours * 3600:
-            del self._sessions[key]
-            await self._write_sessions()
+        if now - record["last_seen"] > self.store.idle_seconds:
+            await self.store.end_session(key)
             return None
-        record["last_seen"] = now
-        if now - self._persisted_seen.get(key, 0) >= TOUCH_SECONDS:
-            await self._write_sessions()
-        return record
-
-    def _read_sessions(self) -> dict[str, dict]:
-        try:
-            stored = orjson.loads(self.sessions_path.read_bytes())
-        except FileNotFoundError:
-            return {}
-        except orjson.JSONDecodeError as exc:
-            log.error("%s is damaged (%s): everyone must log in again", self.sessions_path.name, exc)
-            return {}
-        return dict(stored.get("sessions", {}))
-
-    async def _write_sessions(self) -> None:
-        async with self._write_lock:
-            now = self.clock()
-            limit = self.settings.session_hours * 3600
-            live = {k: s for k, s in self._sessions.items() if now - s["last_seen"] <= limit
-                    and (s["kind"] != "password" or self._account_user(s) is not None)}
-            self._sessions = live
-            self._persisted_seen = {k: s["last_seen"] for k, s in live.items()}
-            data = orjson.dumps({"schema_version": SCHEMA_VERSION, "sessions": live})
-            await asyncio.to_thread(atomic_write, self.sessions_path, data)
+        if kind == "password":
+            if account is None or account.get("epoch") != record.get("epoch"):
+                return None  # removed, or the password changed since this session began
+            user = self._user(account)
+        else:
+            user = LOCAL
+        if now - record["last_seen"] >= TOUCH_SECONDS:
+            await self.store.touch_session(key, {**record, "last_seen": now}, now)
+        return user
 
 
 def _digest(session_id: str) -> str:
     return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def remove_sessions_of(data_dir: Path, name: str) -> None:
-    """Drop a user's sessions from sessions.json (the CLI, for a server that is not running)."""
-    path = Path(data_dir) / "sessions.json"
-    try:
-        stored = orjson.loads(path.read_bytes())
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        return
-    sessions = {k: s for k, s in stored.get("sessions", {}).items()
-                if not (s.get("kind") == "password" and s.get("username", "").lower() == name.lower())}
-    atomic_write(path, orjson.dumps({"schema_version": SCHEMA_VERSION, "sessions": sessions}))
 
 
 def accounts(app) -> Accounts:
@@ -550,7 +334,8 @@ async def current_user(request: Request) -> User:
     user = request.scope.get("state", {}).get("chat_user")
     if user is None:
         try:
-            user = await accounts(request.app).authenticate(request.scope, _headers(request.scope))
+            scope = cast(dict, request.scope)  # the ASGI scope itself: the origin is kept in it
+            user = await accounts(request.app).authenticate(scope, _headers(scope))
         except Throttled as exc:
             raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
     if user is None:

@@ -1,9 +1,11 @@
 """`python server.py user add NAME [--admin] | passwd NAME | remove NAME [--yes] | list`: accounts for AUTH=password.
 
-Edits DATA_DIR/users.json (under the same lock a running server uses, which picks changes up
-without a restart). Passwords are asked twice on a terminal, or read as one line from stdin when
-it is not one (scripts, tests). `remove` removes the person's data too (conversations with their
-files, library, memory, presets, search rows), after a yes on a terminal or with `--yes`.
+Edits the accounts where STORE keeps them: DATA_DIR/users.json (under the same lock a running
+server uses) or the Redis at REDIS_URL; running servers pick changes up without a restart.
+Passwords are asked twice on a terminal, or read as one line from stdin when it is not one
+(scripts, tests). Changing a password or removing a user ends their sessions, in either store.
+`remove` removes the person's data too (conversations with their files, library, memory,
+presets, search rows), after a yes on a terminal or with `--yes`.
 Knows nothing of HTTP.
 """
 
@@ -20,7 +22,8 @@ from pathlib import Path
 from argon2 import PasswordHasher
 from pydantic import ValidationError
 
-from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS, BadAccount, UserFile, remove_sessions_of
+from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS
+from chatserver.accounts.store import AccountStore, BadAccount
 from chatserver.api.exchange import INDEX_FILE, SYNCED_INDEX_FILE
 from chatserver.attachments.store import Attachments, conversation_scope, library_scope
 from chatserver.config import Settings, get_settings
@@ -49,29 +52,49 @@ def main(argv: list[str]) -> int:
     except ValidationError as exc:
         print("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()), file=sys.stderr)
         return 2
-    users = UserFile(settings.data_dir)
+    password = None
     try:
+        if args.command in ("add", "passwd"):
+            password = _ask_password()  # before the store is opened: a refused password changes nothing
+        return asyncio.run(_run(args, settings, password))
+    except BadAccount as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except StoreUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace, settings: Settings, password: str | None) -> int:
+    from chatserver.app import make_account_store, make_store
+
+    store = make_store(settings)
+    users: AccountStore | None = None
+    try:
+        await store.ping()
+        users = make_account_store(settings, store)
         if args.command == "add":
-            record = users.add(args.name, PasswordHasher().hash(_ask_password()), args.admin, time.time())
+            assert password is not None
+            record = await users.add_user(args.name, PasswordHasher().hash(password), args.admin, time.time())
             print(f"added {record['name']}{' (admin)' if record['admin'] else ''}")
         elif args.command == "passwd":
-            if users.find(args.name) is None:
+            assert password is not None
+            if await users.find_user(args.name) is None:
                 raise BadAccount(f"there is no user named {args.name!r}")
-            users.set_password(args.name, PasswordHasher().hash(_ask_password()))
-            remove_sessions_of(settings.data_dir, args.name)
+            await users.set_password(args.name, PasswordHasher().hash(password))  # and ends their sessions
             print(f"changed the password of {args.name}; their sessions have ended")
         elif args.command == "remove":
-            record = users.find(args.name)
-            if record is None:
+            found = await users.find_user(args.name)
+            if found is None:
                 raise BadAccount(f"there is no user named {args.name!r}")
+            record = found
             what = f"{record['name']} and all their data (conversations with their files, library, memory, presets)"
             if not args.yes and not _confirmed(f"Remove {what}? This cannot be undone. [y/N] "):
                 raise BadAccount(f"nothing removed; to remove {what}, answer y on a terminal or add --yes")
-            # The account goes first, so nobody can add to the data while it is being removed.
-            users.remove(record["name"])
-            remove_sessions_of(settings.data_dir, record["name"])
+            # The account (and its sessions) goes first, so nobody can add to the data while it is being removed.
+            await users.remove_user(record["name"])
             try:
-                count = asyncio.run(remove_data(settings, record["owner"]))
+                count = await remove_data(settings, record["owner"])
             except StoreUnavailable as exc:
                 print(f"error: removed the account {record['name']}, but not their data (owner "
                       f"{record['owner']}): the store is unreachable ({exc})", file=sys.stderr)
@@ -79,12 +102,13 @@ def main(argv: list[str]) -> int:
             print(f"removed {record['name']} and their data: {count} conversations, their files, library, "
                   "memory and presets")
         else:
-            for record in users.load()["users"]:
+            for record in await users.users():
                 flags = " admin" if record.get("admin") else ""
                 print(f"{record['name']}{flags}  created {record['created_at']}")
-    except BadAccount as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    finally:
+        if users is not None:
+            await users.close()
+        await store.close()
     return 0
 
 

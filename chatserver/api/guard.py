@@ -13,6 +13,7 @@ read). Routes that stream an upload themselves read through the same bounded `re
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -23,6 +24,7 @@ from fastapi import HTTPException
 from chatserver.accounts.auth import Throttled, accounts, unauthorised_detail
 from chatserver.config import Settings
 from chatserver.conversations import exchange
+from chatserver.store.files import StoreUnavailable
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
 STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
@@ -141,6 +143,9 @@ class Guard:
             user = await accounts(scope["app"]).authenticate(scope, headers)
         except Throttled as exc:
             return 429, str(exc), exc.retry_after
+        except StoreUnavailable as exc:  # sessions live in Redis (STORE=redis): the app's own 503
+            logging.getLogger("chat.server").error("%s", exc)
+            return 503, "the conversation store (Redis) is unreachable; try again shortly"
         if user is None:
             return 401, unauthorised_detail(self.settings)
         scope.setdefault("state", {})["chat_user"] = user

@@ -4,7 +4,8 @@ owner's), every owner's memory and presets, and the custom models from one store
 The copy is whole and repeatable: a conversation already in the target is replaced by the source's,
 never duplicated, and the source is left as it was. Conversations the target has and the source
 does not are left alone. A damaged conversation file is reported and skipped, as the server does.
-Accounts and sessions belong to the auth module and are not copied here.
+Users and sessions are copied too (`migrate_accounts`): each session keeps its digest and the time
+it has left.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ async def run(args: argparse.Namespace) -> dict[str, int]:
         for kind in ("redis", "files"):
             opened[kind] = store = open_store(kind, args)
             await store.ping()
-        return await migrate(opened[args.source], opened[args.target])
+        copied = await migrate(opened[args.source], opened[args.target])
+        return {**copied, **await migrate_accounts(args, opened)}
     finally:
         for store in opened.values():
             await store.close()
@@ -105,6 +107,24 @@ def main(argv: list[str]) -> int:
     print(f"copied from {args.source} to {args.target}: " + ", ".join(f"{n} {k.replace('_', ' ')}"
                                                                     for k, n in copied.items()))
     return 0
+
+
+async def migrate_accounts(args: argparse.Namespace, opened: dict[str, Store]) -> dict[str, int]:
+    """Copy users and sessions beside the conversations of each store, where the server keeps them
+    (the account stores are the ones `app.make_account_store` picks for the server)."""
+    from chatserver.app import make_account_store
+    from chatserver.config import get_settings
+
+    base = get_settings()  # SESSION_HOURS: what a file store's session has left
+    source, target = (make_account_store(base.model_copy(update={"store": kind, "data_dir": args.data_dir}),
+                                         opened[kind]) for kind in (args.source, args.target))
+    try:
+        dump = await source.export_accounts()
+        await target.import_accounts(dump)
+    finally:
+        await source.close()
+        await target.close()
+    return {"users": len(dump.users), "sessions": len(dump.sessions)}
 
 
 if __name__ == "__main__":
