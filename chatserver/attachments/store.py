@@ -103,6 +103,12 @@ def library_scope(owner: str) -> Scope:
     return Scope(f"library/{owner}", "library")
 
 
+def scope_of_key(key: str) -> Scope:
+    """The scope a stored key names (`<conversation id>` or `library/<owner>`), checked as when made."""
+    owner = key.removeprefix("library/")
+    return library_scope(owner) if owner != key else conversation_scope(key)
+
+
 @dataclass(frozen=True, slots=True)
 class Passage:
     attachment_id: str
