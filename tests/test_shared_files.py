@@ -17,6 +17,7 @@ import pytest
 import redis as sync_redis
 
 from chatserver.accounts.cli import remove_data
+from chatserver.attachments.blobs import PART_BYTES
 from chatserver.config import Settings
 from gateway_sim.simulator import Script, steps
 from redis_support import unique_prefix
@@ -126,9 +127,24 @@ async def test_deleting_on_b_removes_the_files_everywhere(shared, s3_server):
     assert httpx.get(f"{a.base_url}/api/conversations/{kept['id']}/attachments").json() == [other]
 
 
+def pdf_of(size: int) -> bytes:
+    """A one-page PDF with a line of text and about `size` bytes of random pixels (no compression helps)."""
+    from fpdf import FPDF
+    from PIL import Image
+
+    side = int((size / 3) ** 0.5)
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("helvetica", size=12)
+    pdf.multi_cell(0, 8, "The shipment manifest for the blue centrifuge.")
+    pdf.image(Image.frombytes("RGB", (side, side), os.urandom(side * side * 3)), x=10, y=30, w=100)
+    return bytes(pdf.output())
+
+
 async def test_a_server_restarted_with_an_empty_data_dir_still_serves_the_file(shared, tmp_path):
     a, b, bucket, env = shared
-    data = make_pdf(TOPICS)
+    data = pdf_of(3 * PART_BYTES // 2)  # past one part: sent to S3 as a multipart upload
+    assert len(data) > PART_BYTES
     conv = new_conversation(a)
     stored = upload_to(a, f"/api/conversations/{conv['id']}/attachments", "report.pdf", data)
     a.stop()
