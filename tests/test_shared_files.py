@@ -17,6 +17,7 @@ import pytest
 import redis as sync_redis
 
 from chatserver.accounts.cli import remove_data
+from chatserver.app import make_blobs
 from chatserver.attachments.blobs import PART_BYTES
 from chatserver.config import Settings
 from gateway_sim.simulator import Script, steps
@@ -127,6 +128,30 @@ async def test_deleting_on_b_removes_the_files_everywhere(shared, s3_server):
     assert httpx.get(f"{a.base_url}/api/conversations/{kept['id']}/attachments").json() == [other]
 
 
+async def test_a_file_deleted_on_b_is_never_found_by_a_search_on_a(shared, sim):
+    a, b, _, _ = shared
+    conv = new_conversation(a)
+    url = f"/api/conversations/{conv['id']}/attachments"
+    kept = upload_to(a, url, "kept.txt", b"The harbour log mentions a pelican at dawn.")
+    gone = upload_to(a, url, "gone.txt", b"The harbour log mentions a walrus at dusk.")
+    sim.keep_calling(Script([steps.ToolCall("search_attachments", {"query": "harbour log pelican walrus"})]),
+                     Script([steps.Text("Answered.")]))
+
+    def seen_on_a() -> str:
+        answer = httpx.post(f"{a.base_url}/api/conversations/{conv['id']}/messages", json={"content": "what is logged?"},
+                            timeout=30)
+        assert answer.status_code == 200 and parse_sse(answer.text)[-1][0] == "done", answer.text
+        reply = httpx.get(f"{a.base_url}/api/conversations/{conv['id']}").json()["messages"][-1]
+        return reply["rounds"][0]["results"][0]["content"]
+
+    first = seen_on_a()  # A's index now holds both files' passages
+    assert "pelican" in first and "walrus" in first
+    assert httpx.delete(f"{b.base_url}{url}/{gone['id']}").status_code == 204
+    second = seen_on_a()  # A's index still has the rows; the store no longer lists the file
+    assert "pelican" in second and "walrus" not in second and "gone.txt" not in second
+    assert [m["id"] for m in httpx.get(f"{a.base_url}{url}").json()] == [kept["id"]]
+
+
 def pdf_of(size: int) -> bytes:
     """A one-page PDF with a line of text and about `size` bytes of random pixels (no compression helps)."""
     from fpdf import FPDF
@@ -231,3 +256,6 @@ def test_secrets_stay_out_of_the_settings_repr():
     settings = Settings(_env_file=None, blob_store="s3", s3_access_key_id="AKIAEXAMPLEKEY",
                         s3_secret_access_key="very-secret-value")
     assert "very-secret-value" not in repr(settings) and "AKIAEXAMPLEKEY" not in repr(settings)
+    chosen = make_blobs(settings)
+    assert "very-secret-value" not in repr(chosen.settings) and "AKIAEXAMPLEKEY" not in repr(chosen.settings)
+    assert chosen.bucket == "chat-attachments"
