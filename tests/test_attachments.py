@@ -428,10 +428,17 @@ def test_sweep_removes_old_leftovers_only(tmp_path):
     staging = tmp_path / "attachments" / "conversation1" / ".staging-abcdefgh"
     staging.mkdir(parents=True)
     (staging / "original").write_bytes(b"x")
-    for path in (old, staging):
+    # An original alone may have its metadata in Redis: kept. Text without metadata is a crash's: removed.
+    original_only = tmp_path / "attachments" / "conversation1" / "attachment1"
+    pages_only = tmp_path / "attachments" / "library" / "alice" / "attachment2"
+    for folder, name in ((original_only, "original"), (pages_only, "pages.json")):
+        folder.mkdir(parents=True)
+        (folder / name).write_bytes(b"x")
+    for path in (old, staging, original_only, pages_only):
         os.utime(path, (0, 0))
     attachments.sweep()
     assert fresh.exists() and not old.exists() and not staging.exists()
+    assert original_only.exists() and not pages_only.exists()
 
 
 async def test_files_and_library_share_one_quota_and_passing_it_is_413_naming_it(tmp_path, sim):

@@ -381,8 +381,10 @@ class Attachments:
         await self.blobs.start()
 
     def sweep(self, older_than: float = 3600.0) -> None:
-        """Remove what a crash left behind: partial uploads, staging and half-deleted directories,
-        and attachment directories whose `meta.json` was never written.
+        """Remove what a crash left behind: partial uploads and copies, staging and half-deleted
+        directories, and attachment directories left with neither `meta.json` nor `original`. (An
+        original whose metadata was never stored is left: only the metadata store could tell it
+        from one whose metadata lives in Redis.)
 
         Only leftovers older than `older_than` seconds go, so an upload under way in another
         process sharing the directory is never touched.
