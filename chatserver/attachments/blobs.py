@@ -209,6 +209,8 @@ class S3Blobs:
             config = Config(
                 region_name=self.settings.region,
                 connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"},
+                # Each download holds a connection while it streams: room for that many at once.
+                max_pool_connections=64,
                 # MinIO, SeaweedFS and R2 all answer path-style requests on their own endpoint; AWS
                 # (no endpoint set) picks its own style.
                 s3={"addressing_style": "path" if self.settings.endpoint_url else "auto"},
