@@ -94,9 +94,12 @@ async def migrate_attachments(source: AttachmentMeta, source_blobs: Blobs,
             log.warning("skipping attachments under %r: not a conversation or library", key)
             continue
         for meta in (await source.list_many([scope.key]))[scope.key]:
+            if not valid_id(meta.get("id", "")):
+                log.warning("skipping an attachment under %s: its id is not one this server makes", scope.key)
+                continue
             pages = await source.pages(scope.key, meta["id"])
-            if pages is None or not valid_id(meta.get("id", "")):
-                continue  # deleted meanwhile, or not an attachment this server wrote
+            if pages is None:
+                continue  # deleted meanwhile
             if not same_place:
                 try:
                     blob = await source_blobs.open(scope.key, meta["id"])
