@@ -51,14 +51,20 @@ class SeaweedServer:
     def start(self, timeout: float = 60) -> None:
         p = self.ports
         log = open(self.directory / "weed.log", "wb")
+        # Its logs and local sockets go in its own directory too (by default they are left in /tmp).
+        sockets = self.directory / "sockets"
+        sockets.mkdir(exist_ok=True)
         self.process = subprocess.Popen(
-            [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.directory}",
+            [WEED, f"-logdir={self.directory}", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+             f"-dir={self.directory}", f"-filer.localSocket={sockets / 'filer.sock'}",
+             f"-s3.localSocket={sockets / 's3.sock'}",
              f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
              f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
              f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
              "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", "-volume.max=100"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "TMPDIR": str(sockets)})
         log.close()
         deadline = time.monotonic() + timeout
         while not self._answers():
@@ -91,6 +97,9 @@ class SeaweedServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=20)
         self.process = None
+        # Its gRPC sockets are always made in /tmp, named by port, and left there: ours, so removed.
+        for kind in ("master", "volume", "s3"):
+            Path(f"/tmp/seaweedfs-{kind}-grpc-{self.ports[f'{kind}_grpc']}.sock").unlink(missing_ok=True)
 
 
 def new_bucket() -> str:
