@@ -209,7 +209,7 @@ async def main(data: bytes) -> dict:
                 await att.search_attachments(query)
                 times.append((time.perf_counter() - start) * 1000)
         times.sort()
-        store.close()
+        await store.close()
     return {
         "ingest_pages_per_s": round(ingest_rate),
         "raw_pdfium_pages_per_s": round(pdfium_rate),

@@ -24,6 +24,8 @@ With redis-server installed, two more servers with STORE=redis share a Redis the
 (a free port, a temporary directory, AOF on, stopped by its pid): one stream at a time (the added
 TTFB beside the file store's), 200 streams spread over both, and Stop asked of one while the
 turn runs on the other. Without redis-server those keys are empty and `redis_error` says why.
+`bench/s3_bench.py` moves a 20 MiB file up to and down from a server with BLOB_STORE=s3 on a
+SeaweedFS of its own (the `s3_*` keys: time and the server's peak memory, `files_*` beside them).
 
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
@@ -1155,6 +1157,22 @@ def run_attachments_bench(log) -> dict:
     return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
 
 
+def run_s3_bench(log) -> dict:
+    """The S3 benchmark (bench/s3_bench.py): a 20 MiB file up to and down from a server with
+    BLOB_STORE=s3 on SeaweedFS, its time and the server's peak memory, beside BLOB_STORE=files."""
+    log("S3 benchmark (bench/s3_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "s3_bench.py")], cwd=ROOT, timeout=300,
+                              stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        log("  s3_bench.py ran over 300 s and was stopped")
+        return {"s3_error": "s3_bench.py ran over 300 s"}
+    if done.returncode != 0:
+        log(f"  s3_bench.py exited with {done.returncode}")
+        return {"s3_error": f"s3_bench.py exited with {done.returncode}"}
+    return json.loads(done.stdout)
+
+
 # --- Main --------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -1163,7 +1181,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "cache", "search", "tools",
-                                 "attachments"],
+                                 "attachments", "s3"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1307,6 +1325,8 @@ def main() -> None:
         results.update(run_tool_bench(log))
     if "attachments" not in args.skip:
         results.update(run_attachments_bench(log))
+    if "s3" not in args.skip:
+        results.update(run_s3_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")

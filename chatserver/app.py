@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import anyio
@@ -30,6 +31,9 @@ from chatserver.api import exchange as exchange_routes
 from chatserver.api import presets as preset_routes
 from chatserver.api.deps import State
 from chatserver.api.guard import SECURITY_HEADERS, Guard
+from chatserver.attachments.blobs import Blobs, FileBlobs
+from chatserver.attachments.extraction import AttachmentError
+from chatserver.attachments.meta import AttachmentMeta, FileMeta
 from chatserver.attachments.store import Attachments, Limits
 from chatserver.config import Settings, get_settings
 from chatserver.conversations import pii
@@ -49,7 +53,7 @@ log = logging.getLogger("chat.server")
 
 def make_store(settings: Settings) -> Store:
     """The store STORE names: files under DATA_DIR (one process), or Redis (any number)."""
-    return make_redis_store(settings) if settings.store == "redis" else FileStore(settings.data_dir)
+    return make_stores(settings).store
 
 
 def make_redis_store(settings: Settings) -> RedisStore:
@@ -71,6 +75,54 @@ def make_account_store(settings: Settings, store: Store) -> AccountStore:
         shared = cast("RedisStore", store)  # make_store made it so for STORE=redis
         return RedisAccountStore(shared.redis, shared.prefix, idle, shared.reachable)
     return FileAccountStore(settings.data_dir, idle)
+
+
+@dataclass(frozen=True, slots=True)
+class Stores:
+    """The store STORE names, seen as what it is: `shared` when it is Redis (which attachments'
+    metadata and the cross-process hubs use too), `files` when it is the file store."""
+
+    store: Store
+    shared: RedisStore | None = None
+    files: FileStore | None = None
+
+
+def make_stores(settings: Settings) -> Stores:
+    if settings.store == "redis":
+        shared = make_redis_store(settings)
+        return Stores(shared, shared=shared)
+    files = FileStore(settings.data_dir)
+    return Stores(files, files=files)
+
+
+def make_blobs(settings: Settings) -> Blobs:
+    """Where originals live: BLOB_STORE=files (under DATA_DIR/attachments) or s3."""
+    if settings.blob_store == "s3":
+        from chatserver.attachments.blobs import S3Blobs, S3Settings
+
+        return S3Blobs(S3Settings(settings.s3_bucket, settings.s3_endpoint_url, settings.s3_region,
+                                  settings.s3_access_key_id, settings.s3_secret_access_key))
+    return FileBlobs(settings.data_dir / "attachments")
+
+
+def make_attachments(settings: Settings, shared: RedisStore | None) -> Attachments:
+    """Attachments with their metadata where the conversations are (Redis when shared, else
+    files) and their originals where BLOB_STORE says; the passage index is this server's own."""
+    meta: AttachmentMeta
+    if shared is not None:
+        from chatserver.attachments.meta import RedisMeta
+
+        meta = RedisMeta(shared)
+        if settings.blob_store == "files":
+            log.warning("STORE=redis with BLOB_STORE=files: attachments' original bytes stay on this server's "
+                        "disk, and other servers cannot download them; set BLOB_STORE=s3 to share them")
+    else:
+        meta = FileMeta(settings.data_dir / "attachments")
+    return Attachments(settings.data_dir / "attachments", settings.index_dir, Limits(
+        max_bytes=settings.max_attachment_bytes, max_pages=settings.max_attachment_pages,
+        timeout=settings.extract_timeout, max_mb=settings.extract_max_mb, workers=settings.extract_workers,
+        queue=settings.extract_queue, quota_bytes=settings.quota_file_bytes,
+        mask_pii=settings.pii_masking == "on"), meta=meta, blobs=make_blobs(settings))
 
 
 EXPIRY_INTERVAL = 3600  # seconds between passes over the file store for CONVERSATION_TTL_DAYS
@@ -97,13 +149,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         active = settings or get_settings()
         await asyncio.to_thread(context.load_tokenizer)
         # Several processes share a Redis store, each with its own DATA_DIR; files serve one process.
-        shared: RedisStore | None = None
-        files: FileStore | None = None
-        store: Store
-        if active.store == "redis":
-            store = shared = make_redis_store(active)
-        else:
-            store = files = FileStore(active.data_dir)
+        stores = make_stores(active)
+        store, shared, files = stores.store, stores.shared, stores.files
         expiry = None
         await store.ping()
         if files is not None and active.conversation_ttl_days:  # Redis expires them itself (a TTL on their keys)
@@ -112,11 +159,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Each process keeps its own index, following every process's changes.
         index_file = exchange_routes.INDEX_FILE if files is not None else exchange_routes.SYNCED_INDEX_FILE
         app.state.search = await open_search(store, active.index_dir / index_file)
-        attachments = Attachments(active.data_dir / "attachments", active.index_dir, Limits(
-            max_bytes=active.max_attachment_bytes, max_pages=active.max_attachment_pages,
-            timeout=active.extract_timeout, max_mb=active.extract_max_mb, workers=active.extract_workers,
-            queue=active.extract_queue, quota_bytes=active.quota_file_bytes,
-            mask_pii=active.pii_masking == "on"))
+        attachments = make_attachments(active, shared)
+        await attachments.start()  # S3: the bucket, created when missing
         attachments.sweep()
         if active.pii_masking == "on":
             await anyio.to_thread.run_sync(pii.prepare)  # its table, built now rather than on the first message
@@ -156,7 +200,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 if expiry is not None:
                     expiry.cancel()
                 await store.flush()
-                attachments.close()
+                await attachments.close()
                 await app.state.search.close()
                 await account_store.close()
                 await store.close()
@@ -223,6 +267,11 @@ def install_error_answers(app: FastAPI) -> None:
     async def store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
         log.error("%s", exc)  # the log may say where the store is; the answer says only what is wrong
         return detail(503, "the conversation store (Redis) is unreachable; try again shortly")
+
+    @app.exception_handler(AttachmentError)
+    async def attachment_failed(_: Request, exc: AttachmentError) -> JSONResponse:
+        # Reached from routes other than the attachment routes (a conversation's deletion with S3 away).
+        return detail(exc.status, str(exc))
 
     @app.exception_handler(LockLost)
     async def lock_lost(_: Request, exc: LockLost) -> JSONResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -133,6 +134,16 @@ class Settings(BaseSettings):
     turn_lock_seconds: float = Field(30.0, ge=0.3)
     # STORE=redis: a running turn's heartbeat; three missed and other servers end its followers as interrupted.
     heartbeat_seconds: float = Field(1.0, ge=0.1, le=60)
+    # Where attachments' original bytes live: files under DATA_DIR (beside their metadata), or an
+    # S3-compatible bucket (AWS S3, MinIO, R2, SeaweedFS) shared by every server. Metadata and text
+    # follow STORE. Without S3_ACCESS_KEY_ID the client's usual credential chain applies (AWS_*
+    # variables, an instance role).
+    blob_store: Literal["files", "s3"] = "files"
+    s3_endpoint_url: str | None = None
+    s3_bucket: str = "chat-attachments"
+    s3_region: str = "us-east-1"
+    s3_access_key_id: str | None = Field(default=None, repr=False)
+    s3_secret_access_key: str | None = Field(default=None, repr=False)
     # This server's own search indexes (conversations, attachment passages): a cache on local disk,
     # never shared between servers, rebuilt from the store when missing. Default: DATA_DIR/index.
     search_index_dir: Path | None = None
@@ -161,7 +172,8 @@ class Settings(BaseSettings):
     default_tool_runtime: Literal["gateway", "local", "none"] = "gateway"
 
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url",
-                     "conversation_ttl_days", "search_index_dir", mode="before")
+                     "conversation_ttl_days", "search_index_dir", "s3_endpoint_url", "s3_access_key_id",
+                     "s3_secret_access_key", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
@@ -180,6 +192,24 @@ class Settings(BaseSettings):
                 f"GATEWAY_BASE_URL={value!r} must be a full URL starting with https:// or http://, "
                 f"e.g. GATEWAY_BASE_URL=https://{bare} (http:// only for a server on your own machine or network)"
             )
+        return value
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip().rstrip("/")
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"S3_ENDPOINT_URL={value!r} must be a full URL starting with https:// or http://")
+        return value
+
+    @field_validator("s3_bucket")
+    @classmethod
+    def _s3_bucket(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", value):
+            raise ValueError(f"S3_BUCKET={value!r} must be 3-63 lower-case letters, digits, dots and hyphens")
         return value
 
     @field_validator("model_params", "tool_runtimes", mode="before")

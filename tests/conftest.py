@@ -16,8 +16,9 @@ from support import Api, LiveServer
 # would take a reply a test queued for its next turn. tests/test_branches.py turns them on.
 os.environ["AUTO_TITLE"] = "false"
 
-# The `redis_server` fixture: a real redis-server of its own per test module.
-pytest_plugins = ["redis_support"]
+# The `redis_server` fixture: a real redis-server of its own per test module; `s3_server`: a real
+# S3 (SeaweedFS) of its own per test module.
+pytest_plugins = ["redis_support", "s3_support"]
 
 
 # What in a test module says it starts a process of its own (a uvicorn server, a CLI, a writer).
@@ -36,7 +37,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             kinds.append("browser")
         if "redis_server" in getattr(item, "fixturenames", ()):
             kinds.append("redis")
-        if any(sign in source for sign in STARTS_A_PROCESS):
+        if any(sign in source for sign in STARTS_A_PROCESS) or "s3_server" in getattr(item, "fixturenames", ()):
             kinds.append("live")
         for kind in kinds or ["unit"]:
             item.add_marker(kind)

@@ -162,7 +162,7 @@ async def test_upload_pdf_docx_and_code_then_list_download_delete(api, client, a
         found = await search_attachments("budget for the pilot")
         assert found.passages[0]["name"] == "notes.docx"
         assert "40,000 euros" in found.passages[0]["text"]
-        listing = attachment_listing(att.attachment_scope.get())
+        listing = await attachment_listing(att.attachment_scope.get())
     assert "- report.pdf (10 pages)" in listing and "- notes.docx (2 sections)" in listing
     assert "centrifuge" not in listing  # names and page counts only, never the text
 
@@ -228,7 +228,7 @@ async def test_each_concurrent_scope_sees_only_its_own_files_and_the_library_whe
 async def test_tools_outside_a_turn_say_there_is_no_context():
     for result in (await search_attachments("anything"), await read_attachment("report.pdf")):
         assert result.text == att.NO_CONTEXT and result.passages == [] and result.citations == []
-    assert attachment_listing(att.attachment_scope.get()) == ""
+    assert await attachment_listing(att.attachment_scope.get()) == ""
 
 
 async def test_a_turn_that_failed_mid_tool_leaves_no_scope_behind(api, client, app):
@@ -391,14 +391,14 @@ async def test_library_routes_and_docx_sections(client, app):
     with attachment_context(store(app), first["id"], "local", library=True):
         found = await search_attachments("pilot budget")
         read = await read_attachment("NOTES.DOCX", 2)
-        listing = attachment_listing(att.attachment_scope.get())
+        listing = await attachment_listing(att.attachment_scope.get())
     assert found.passages[0]["source"] == "library" and "notes.docx §2 (Budget)" in found.text
     assert found.citations[0]["label"] == "§ Budget" and read.citations[0]["label"] == "§ Budget"
     assert "40,000 euros" in read.text and "spring" not in read.text
     assert "Files in the person's library:\n- notes.docx (2 sections)" in listing
-    assert store(app).check_ids(att.library_scope("local"), [stored["id"]]) == [stored["id"]]
+    assert await store(app).check_ids(att.library_scope("local"), [stored["id"]]) == [stored["id"]]
     with pytest.raises(att.AttachmentNotFound):
-        store(app).check_ids(att.conversation_scope(first["id"]), [stored["id"]])
+        await store(app).check_ids(att.conversation_scope(first["id"]), [stored["id"]])
     assert (await client.delete(f"/api/library/{stored['id']}")).status_code == 204
     assert (await client.get("/api/library")).json() == []
     assert (await client.get(f"/api/library/{stored['id']}")).status_code == 404
@@ -428,10 +428,17 @@ def test_sweep_removes_old_leftovers_only(tmp_path):
     staging = tmp_path / "attachments" / "conversation1" / ".staging-abcdefgh"
     staging.mkdir(parents=True)
     (staging / "original").write_bytes(b"x")
-    for path in (old, staging):
+    # An original alone may have its metadata in Redis: kept. Text without metadata is a crash's: removed.
+    original_only = tmp_path / "attachments" / "conversation1" / "attachment1"
+    pages_only = tmp_path / "attachments" / "library" / "alice" / "attachment2"
+    for folder, name in ((original_only, "original"), (pages_only, "pages.json")):
+        folder.mkdir(parents=True)
+        (folder / name).write_bytes(b"x")
+    for path in (old, staging, original_only, pages_only):
         os.utime(path, (0, 0))
     attachments.sweep()
     assert fresh.exists() and not old.exists() and not staging.exists()
+    assert original_only.exists() and not pages_only.exists()
 
 
 async def test_files_and_library_share_one_quota_and_passing_it_is_413_naming_it(tmp_path, sim):

@@ -25,7 +25,8 @@ from pydantic import ValidationError
 from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS
 from chatserver.accounts.store import AccountStore, BadAccount
 from chatserver.api.exchange import INDEX_FILE, SYNCED_INDEX_FILE
-from chatserver.attachments.store import Attachments, conversation_scope, library_scope
+from chatserver.attachments.blobs import BlobsUnavailable
+from chatserver.attachments.store import conversation_scope, library_scope
 from chatserver.config import Settings, get_settings
 from chatserver.search.index import SearchIndex
 from chatserver.store.files import StoreUnavailable
@@ -95,7 +96,7 @@ async def _run(args: argparse.Namespace, settings: Settings, password: str | Non
             await users.remove_user(record["name"])
             try:
                 count = await remove_data(settings, record["owner"])
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, BlobsUnavailable) as exc:
                 print(f"error: removed the account {record['name']}, but not their data (owner "
                       f"{record['owner']}): the store is unreachable ({exc})", file=sys.stderr)
                 return 1
@@ -120,11 +121,13 @@ def _confirmed(question: str) -> bool:
 
 
 async def remove_data(settings: Settings, owner: str) -> int:
-    """Delete everything `owner` has in the store and under DATA_DIR; the number of conversations."""
-    from chatserver.app import make_store
+    """Delete everything `owner` has in the store, the blob store (S3) and under DATA_DIR; the number of conversations."""
+    from chatserver.app import make_attachments, make_stores
 
-    store = make_store(settings)
-    attachments = Attachments(settings.data_dir / "attachments", settings.index_dir)
+    stores = make_stores(settings)
+    store = stores.store
+    # Their files where the server keeps them: metadata beside the conversations, originals in BLOB_STORE.
+    attachments = make_attachments(settings, stores.shared)
     try:
         mine = store.for_owner(owner)
         conv_ids = [c["id"] for c in await mine.list()]
@@ -137,7 +140,7 @@ async def remove_data(settings: Settings, owner: str) -> int:
         for name in (INDEX_FILE, SYNCED_INDEX_FILE):
             await _forget_in_index(settings.index_dir / name, owner, conv_ids)
     finally:
-        attachments.close()
+        await attachments.close()
         await store.close()
     if owner != LOCAL_OWNER:  # an account's own folder (the local person's files are the ones above)
         shutil.rmtree(Path(settings.data_dir) / "users" / owner, ignore_errors=True)

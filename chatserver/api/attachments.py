@@ -3,7 +3,8 @@
 Uploads are multipart (field `file`), streamed through python-multipart's parser into a temporary
 file with MAX_ATTACHMENT_BYTES enforced while the bytes arrive, so a file is never held whole in
 memory and an oversized one is refused as soon as it passes the limit. Downloads are always
-`attachment` with `nosniff`: an uploaded page must never render on this origin.
+`attachment` with `nosniff`: an uploaded page must never render on this origin; from S3 they are
+streamed as they arrive.
 
 Every route passes the one owner check (`deps.OwnerStoreDep`): a conversation's files are
 reached only through a conversation its owner can see, and the library is the owner's own.
@@ -17,7 +18,7 @@ from collections.abc import Awaitable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -213,18 +214,24 @@ async def _unless_abandoned(request: Request, reading: Awaitable[dict]) -> dict:
     return work.result()
 
 
-def _download(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:
+async def _download(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:
     try:
-        meta, path = attachments.original(scope, attachment_id)
+        meta, blob = await attachments.original(scope, attachment_id)
     except AttachmentError as exc:
         raise _fail(exc) from None
-    return FileResponse(path, media_type=meta["media_type"], headers={
+    headers = {
         "Content-Disposition": content_disposition(meta["name"]),
         "X-Content-Type-Options": "nosniff",
         # Should a browser still render it, it runs nothing and reaches nothing.
         "Content-Security-Policy": "default-src 'none'; sandbox",
         "Cache-Control": "private, no-store",
-    })
+    }
+    if blob.path is not None:  # a local file: sent by the server as such
+        await blob.aclose()
+        return FileResponse(blob.path, media_type=meta["media_type"], headers=headers)
+    # From the blob store (S3), chunk by chunk as it arrives: never whole in memory.
+    return StreamingResponse(blob.chunks, media_type=meta["media_type"],
+                             headers={**headers, "Content-Length": str(blob.size)})
 
 
 async def _delete(attachments: Attachments, scope: Scope, attachment_id: str) -> Response:
@@ -259,7 +266,7 @@ async def upload_to_conversation(conv_id: ConversationDep, request: Request, att
 
 @router.get("/api/conversations/{conv_id}/attachments")
 async def list_conversation_attachments(conv_id: ConversationDep, attachments: AttachmentsDep) -> list[dict]:
-    return [public(m) for m in attachments.list(_conversation(conv_id))]
+    return [public(m) for m in await attachments.list(_conversation(conv_id))]
 
 
 @router.get("/api/conversations/{conv_id}/attachments/{attachment_id}", responses=ERRORS,
@@ -267,7 +274,7 @@ async def list_conversation_attachments(conv_id: ConversationDep, attachments: A
 async def download_conversation_attachment(conv_id: ConversationDep, attachment_id: str,
                                            attachments: AttachmentsDep) -> Response:
     """The original bytes, as a download."""
-    return _download(attachments, _conversation(conv_id), attachment_id)
+    return await _download(attachments, _conversation(conv_id), attachment_id)
 
 
 @router.delete("/api/conversations/{conv_id}/attachments/{attachment_id}", status_code=204, responses=ERRORS)
@@ -284,14 +291,14 @@ async def upload_to_library(request: Request, attachments: AttachmentsDep, store
 
 @router.get("/api/library")
 async def list_library(attachments: AttachmentsDep, owner: OwnerDep) -> list[dict]:
-    return [public(m) for m in attachments.list(library_scope(owner))]
+    return [public(m) for m in await attachments.list(library_scope(owner))]
 
 
 @router.get("/api/library/{attachment_id}", responses=ERRORS, response_class=FileResponse)
 async def download_library_attachment(attachment_id: str, attachments: AttachmentsDep,
                                       owner: OwnerDep) -> Response:
     """The original bytes, as a download."""
-    return _download(attachments, library_scope(owner), attachment_id)
+    return await _download(attachments, library_scope(owner), attachment_id)
 
 
 @router.delete("/api/library/{attachment_id}", status_code=204, responses=ERRORS)

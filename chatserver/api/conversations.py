@@ -226,7 +226,7 @@ async def send_message(conv_id: str, body: MessageCreate, state: StateDep, store
     if ids:
         await store.get(conv_id)  # an unknown conversation is 404, not a complaint about its files
         try:
-            ids = state.attachments.check_ids(conversation_scope(conv_id), list(dict.fromkeys(ids)))
+            ids = await state.attachments.check_ids(conversation_scope(conv_id), list(dict.fromkeys(ids)))
         except AttachmentNotFound:
             return JSONResponse({"detail": "attachment_ids: not every id names a file of this conversation"},
                                 status_code=422)

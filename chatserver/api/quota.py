@@ -31,16 +31,16 @@ def size_words(n: int) -> str:
     return f"{n} bytes"
 
 
-def file_usage(attachments: Attachments, owner: str, conversations: list[dict]) -> int:
+async def file_usage(attachments: Attachments, owner: str, conversations: list[dict]) -> int:
     """The bytes of every file this person keeps: their conversations' and their library's."""
     scopes = [library_scope(owner), *(conversation_scope(c["id"]) for c in conversations)]
-    return attachments.used_bytes(scopes)
+    return await attachments.used_bytes(scopes)
 
 
 async def check_files(attachments: Attachments, store: OwnerStore, size: int) -> None:
     """413 when a file of `size` bytes would take the person past QUOTA_FILE_BYTES."""
     quota = attachments.limits.quota_bytes
-    used = file_usage(attachments, store.owner, await store.list())
+    used = await file_usage(attachments, store.owner, await store.list())
     if used + size > quota:
         raise HTTPException(413, f"QUOTA_FILE_BYTES: your files take {size_words(used)} of the "
                                  f"{size_words(quota)} each person may keep, and this one ({size_words(size)}) "
@@ -61,7 +61,7 @@ async def get_quota(state: StateDep, store: OwnerStoreDep) -> dict:
     """What this person's files and conversations take, against their quotas."""
     conversations = await store.list()
     return {
-        "file_bytes": file_usage(state.attachments, store.owner, conversations),
+        "file_bytes": await file_usage(state.attachments, store.owner, conversations),
         "file_quota": state.attachments.limits.quota_bytes,
         "conversations": len(conversations),
         "conversation_quota": state.settings.quota_conversations,

@@ -1,5 +1,5 @@
-"""Attachments: files a person gives a conversation (or their library), read to text once, kept on
-disk, and searched by the model through two tools that take only what the model means.
+"""Attachments: files a person gives a conversation (or their library), read to text once, kept in
+the stores, and searched by the model through two tools that take only what the model means.
 
 Promises:
 - A file is recognised by its content (magic bytes) and its extension, never by the type the
@@ -9,19 +9,24 @@ Promises:
   (PDF) or per section (DOCX headings, bounded chunks of text files), each with its position, so
   an answer can cite "report.pdf p. 12".
 - Any failure raises an `AttachmentError` carrying its HTTP status and a sentence saying what was
-  wrong; nothing is stored then. A stored attachment is a directory
-  `DATA_DIR/attachments/<scope>/<id>/` holding `meta.json`, `pages.json` and `original`, which
-  appears whole (renamed from a staging directory) or not at all.
+  wrong; nothing is stored then. A stored attachment is its metadata and pages in a metadata
+  store (`meta.py`: files under DATA_DIR/attachments/<scope>/<id>/, or Redis) and its original in
+  a blob store (`blobs.py`: `original` beside them, or S3). The original is stored first and the
+  metadata last, so a listed file always has its bytes and text; deleting goes the other way.
+- Listings are read from the metadata store when asked (no cache another server could make
+  stale); the passage index is this process's own, filled from the stored pages on a scope's first
+  search, and shows only files the store still lists.
 - File names are untrusted text: sanitised for display, never part of a path.
 - Whose files the tools see comes from the `attachment_scope` ContextVar, which a turn sets with
   `attachment_context(...)` and which is reset in `finally` however the turn ends.
 
-It knows directories and ids, not conversations' contents, turns or wire formats.
+It knows scopes and ids, not conversations' contents, turns or wire formats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -33,13 +38,11 @@ import time
 import unicodedata
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-import orjson
-
+from chatserver.attachments.blobs import Blob, BlobMissing, Blobs, BlobsUnavailable, FileBlobs  # noqa: F401
 from chatserver.attachments.extraction import (  # noqa: F401  (the errors are this module's too)
     ACCEPTED,
     TEXT_TYPES,
@@ -51,9 +54,9 @@ from chatserver.attachments.extraction import (  # noqa: F401  (the errors are t
     Unsupported,
     extension,
 )
+from chatserver.attachments.meta import AttachmentMeta, FileMeta
 from chatserver.conversations import pii
 from chatserver.conversations.document import new_id, now_iso, valid_id
-from chatserver.store.files import atomic_write
 
 log = logging.getLogger("chat.attachments")
 
@@ -98,6 +101,12 @@ def library_scope(owner: str) -> Scope:
     if not _OWNER.fullmatch(owner):
         raise ValueError(f"owner {owner!r} is not usable as a library name")
     return Scope(f"library/{owner}", "library")
+
+
+def scope_of_key(key: str) -> Scope:
+    """The scope a stored key names (`<conversation id>` or `library/<owner>`), checked as when made."""
+    owner = key.removeprefix("library/")
+    return library_scope(owner) if owner != key else conversation_scope(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,29 +358,33 @@ RoomCheck = Callable[[int], Awaitable[None]]
 
 
 class Attachments:
-    """Attachment files under `root` (DATA_DIR/attachments), with cached listings and search indexes.
-
-    Caches are per process and invalidated by this process's uploads and deletes.
+    """Attachments: metadata and pages in `meta`, originals in `blobs`, passages in this process's
+    own search index under `index_dir`. Both stores default to files under `root`
+    (DATA_DIR/attachments); the app picks others (Redis, S3) in one place. `root` also holds the
+    uploads being received (`.incoming`), which never leave this process.
     """
 
-    def __init__(self, root: Path, index_dir: Path, limits: Limits = Limits()) -> None:
+    def __init__(self, root: Path, index_dir: Path, limits: Limits = Limits(), *,
+                 meta: AttachmentMeta | None = None, blobs: Blobs | None = None) -> None:
         self.root = root
         self.limits = limits
         self.incoming = root / ".incoming"
+        self.meta: AttachmentMeta = meta if meta is not None else FileMeta(root)
+        self.blobs: Blobs = blobs if blobs is not None else FileBlobs(root)
         self.extractor = Extractor(limits.max_mb, limits.timeout, limits.workers, limits.queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="attachments")
-        self._metas: dict[str, list[dict]] = {}
         self.search_index = SearchIndex(index_dir / INDEX_FILE)
         self._indexing: dict[str, asyncio.Future] = {}
 
-    def _dir(self, scope: Scope) -> Path:
-        return self.root / scope.key
-
-    def _changed(self, scope: Scope) -> None:
-        self._metas.pop(scope.key, None)
+    async def start(self) -> None:
+        """Make the blob store ready (S3: its bucket, created when missing)."""
+        await self.blobs.start()
 
     def sweep(self, older_than: float = 3600.0) -> None:
-        """Remove what a crash left behind: partial uploads, staging and half-deleted directories.
+        """Remove what a crash left behind: partial uploads and copies, staging and half-deleted
+        directories, and attachment directories left with neither `meta.json` nor `original`. (An
+        original whose metadata was never stored is left: only the metadata store could tell it
+        from one whose metadata lives in Redis.)
 
         Only leftovers older than `older_than` seconds go, so an upload under way in another
         process sharing the directory is never touched.
@@ -379,7 +392,12 @@ class Attachments:
         cutoff = time.time() - older_than
         leftovers = [*self.incoming.glob("upload-*.part"), *self.root.glob("*/.staging-*"),
                      *self.root.glob("library/*/.staging-*"), *self.root.glob(".deleting-*"),
-                     *self.root.glob("*/.deleting-*"), *self.root.glob("library/*/.deleting-*")]
+                     *self.root.glob("*/.deleting-*"), *self.root.glob("library/*/.deleting-*"),
+                     *self.root.glob("*/*/.original-*.part"), *self.root.glob("library/*/*/.original-*.part")]
+        scopes = [d for d in self.root.glob("*") if valid_id(d.name)] + list(self.root.glob("library/*"))
+        leftovers += [a for d in scopes if d.is_dir() for a in d.iterdir()
+                      if valid_id(a.name) and a.is_dir() and not (a / "meta.json").exists()
+                      and not (a / "original").exists()]
         for path in leftovers:
             try:
                 if path.lstat().st_mtime >= cutoff:
@@ -426,125 +444,110 @@ class Attachments:
                 }
                 if kind == "pdf" and total > len(pages):
                     meta["pages_read"] = len(pages)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._commit, scope, meta, pages, upload)
-                self._changed(scope)
+                await self._commit(scope, meta, pages, upload)
         finally:
             upload.unlink(missing_ok=True)
         return public(meta)
 
-    def used_bytes(self, scopes: Iterable[Scope]) -> int:
-        """The bytes of the files stored in these scopes."""
-        return sum(m.get("bytes", 0) for s in scopes for m in self.list(s))
-
-    def _commit(self, scope: Scope, meta: dict, pages: list[dict], upload: Path) -> None:
-        """Move the upload and its text into place: the directory appears whole or not at all."""
-        final = self._dir(scope) / meta["id"]
-        staging = self._dir(scope) / f".staging-{meta['id']}"
-        staging.mkdir(parents=True)
+    async def _commit(self, scope: Scope, meta: dict, pages: list[dict], upload: Path) -> None:
+        """The original first, then the metadata and pages, whose storing is the file appearing:
+        a listing never names a file without its bytes. A failure takes the original back."""
+        await self.blobs.put(scope.key, meta["id"], upload, consume=True)
         try:
-            with open(upload, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(upload, staging / "original")
-            atomic_write(staging / "pages.json", orjson.dumps(pages))
-            atomic_write(staging / "meta.json", orjson.dumps(meta))
-            os.rename(staging, final)
+            await self.meta.put(scope.key, meta, pages)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.blobs.delete(scope.key, meta["id"]))
             raise
-        _fsync_dir(final.parent)
         try:
-            self.search_index.add(scope, meta, pages)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.add, scope, meta, pages)
         except sqlite3.Error as exc:  # the file is stored; its scope's next search indexes it
             log.error("could not index attachment %s/%s: %s", scope.key, meta["id"], exc)
 
-    def list(self, scope: Scope) -> list[dict]:
-        """The scope's attachments (stored meta, oldest first); cached until the next change."""
-        cached = self._metas.get(scope.key)
-        if cached is not None:
-            return cached
-        metas = []
-        directory = self._dir(scope)
-        if directory.is_dir():
-            for entry in directory.iterdir():
-                if not valid_id(entry.name):
-                    continue
-                try:
-                    metas.append(orjson.loads((entry / "meta.json").read_bytes()))
-                except (OSError, orjson.JSONDecodeError) as exc:
-                    log.error("skipping attachment %s/%s: %s", scope.key, entry.name, exc)
-        metas.sort(key=lambda m: (m.get("created_at", ""), m.get("id", "")))
-        self._metas[scope.key] = metas
-        return metas
+    async def used_bytes(self, scopes: Iterable[Scope]) -> int:
+        """The bytes of the files stored in these scopes."""
+        listed = await self.meta.list_many(s.key for s in scopes)
+        return sum(m.get("bytes", 0) for metas in listed.values() for m in metas)
 
-    def get(self, scope: Scope, attachment_id: str) -> dict:
-        for meta in self.list(scope):
+    async def list(self, scope: Scope) -> list[dict]:
+        """The scope's attachments (stored meta, oldest first), as the store holds them now."""
+        return (await self.meta.list_many([scope.key]))[scope.key]
+
+    async def list_many(self, scopes: Iterable[Scope]) -> dict[str, list[dict]]:
+        """Each scope's attachments by scope key, in one read."""
+        return await self.meta.list_many(s.key for s in scopes)
+
+    async def get(self, scope: Scope, attachment_id: str) -> dict:
+        for meta in await self.list(scope):
             if meta["id"] == attachment_id:
                 return meta
         raise AttachmentNotFound("attachment not found")
 
-    def original(self, scope: Scope, attachment_id: str) -> tuple[dict, Path]:
-        meta = self.get(scope, attachment_id)
-        return meta, self._dir(scope) / meta["id"] / "original"
+    async def original(self, scope: Scope, attachment_id: str) -> tuple[dict, Blob]:
+        """The attachment's meta and its original's bytes (to be read or closed); AttachmentNotFound otherwise."""
+        meta = await self.get(scope, attachment_id)
+        return meta, await self.blobs.open(scope.key, meta["id"])
 
-    def pages(self, scope: Scope, attachment_id: str) -> list[dict]:
-        meta = self.get(scope, attachment_id)
-        return orjson.loads((self._dir(scope) / meta["id"] / "pages.json").read_bytes())
+    async def pages(self, scope: Scope, attachment_id: str) -> list[dict]:
+        meta = await self.get(scope, attachment_id)
+        pages = await self.meta.pages(scope.key, meta["id"])
+        if pages is None:
+            raise AttachmentNotFound("attachment not found")  # deleted meanwhile
+        return pages
 
     async def delete(self, scope: Scope, attachment_id: str) -> None:
-        meta = self.get(scope, attachment_id)
-        target = self._dir(scope) / meta["id"]
-        # Renamed first so a reader never meets a half-removed directory.
-        doomed = self._dir(scope) / f".deleting-{meta['id']}"
-        os.rename(target, doomed)
-        self._changed(scope)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope, meta["id"])
-        await asyncio.to_thread(shutil.rmtree, doomed, True)
+        if not valid_id(attachment_id) or not await self.meta.delete(scope.key, attachment_id):
+            raise AttachmentNotFound("attachment not found")
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope, attachment_id)
+        await self.blobs.delete(scope.key, attachment_id)
 
     async def delete_scope(self, scope: Scope) -> None:
-        """Remove every attachment of a scope (a deleted conversation's files)."""
-        directory = self._dir(scope)
-        self._changed(scope)
+        """Remove every attachment of a scope (a deleted conversation's files), originals included."""
+        await self.meta.delete_scope(scope.key)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope)
-        if directory.is_dir():
-            doomed = directory.with_name(f".deleting-{directory.name}-{new_id()}")
-            os.rename(directory, doomed)
-            await asyncio.to_thread(shutil.rmtree, doomed, True)
+        await self.blobs.delete_scope(scope.key)
 
-    def check_ids(self, scope: Scope, ids: list[str]) -> list[str]:
+    async def check_ids(self, scope: Scope, ids: list[str]) -> list[str]:
         """`ids` when each names an attachment of `scope`; AttachmentNotFound otherwise."""
-        for attachment_id in ids:
-            self.get(scope, attachment_id)
+        have = {m["id"] for m in await self.list(scope)}
+        if any(i not in have for i in ids):
+            raise AttachmentNotFound("attachment not found")
         return list(ids)
 
     async def search(self, scopes: tuple[Scope, ...], query: str, k: int = SEARCH_HITS) -> list[Passage]:
-        """The best passages of these scopes for `query`; files not yet in the index are added first."""
+        """The best passages of these scopes for `query`; files not yet in this server's index are
+        added first (from the store's pages), and files gone from the store are never shown."""
         loop = asyncio.get_running_loop()
+        listed = await self.list_many(scopes)
         live: set[str] = set()
         for scope in scopes:
-            metas = self.list(scope)
+            metas = listed[scope.key]
             live.update(m["id"] for m in metas)
             # One catch-up per scope at a time; later searches wait for it rather than repeat it.
             pending = self._indexing.get(scope.key)
             if pending is None:
-                pending = loop.run_in_executor(self._executor, self._catch_up, scope, metas)
+                pending = asyncio.ensure_future(self._catch_up(scope, metas))
                 self._indexing[scope.key] = pending
                 pending.add_done_callback(lambda _, key=scope.key: self._indexing.pop(key, None))
             await asyncio.shield(pending)
         return await loop.run_in_executor(self._executor, self.search_index.search,
                                           {s.key: s for s in scopes}, live, query, k)
 
-    def _catch_up(self, scope: Scope, metas: list[dict]) -> None:
-        """Index the scope's files stored before the index had them, one file at a time."""
-        for attachment_id in self.search_index.missing(scope, [m["id"] for m in metas]):
+    async def _catch_up(self, scope: Scope, metas: list[dict]) -> None:
+        """Index the scope's files stored before this index had them (another server's uploads
+        included), one file at a time."""
+        loop = asyncio.get_running_loop()
+        missing = await loop.run_in_executor(self._executor, self.search_index.missing, scope,
+                                             [m["id"] for m in metas])
+        for attachment_id in missing:
             meta = next(m for m in metas if m["id"] == attachment_id)
-            try:
-                pages = orjson.loads((self._dir(scope) / attachment_id / "pages.json").read_bytes())
-            except (OSError, orjson.JSONDecodeError):
+            pages = await self.meta.pages(scope.key, attachment_id)
+            if pages is None:
                 continue  # deleted meanwhile
-            self.search_index.add(scope, meta, pages)
+            await loop.run_in_executor(self._executor, self.search_index.add, scope, meta, pages)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.blobs.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.search_index.close()
 
@@ -555,14 +558,6 @@ def public(meta: dict) -> dict:
     if "pages_read" in meta:
         out["pages_read"] = meta["pages_read"]
     return out
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- the turn's context and the tools ----------------------------------------------------------
@@ -578,7 +573,7 @@ class AttachmentScope:
 attachment_scope: ContextVar[AttachmentScope | None] = ContextVar("attachment_scope", default=None)
 
 
-@contextmanager
+@contextlib.contextmanager
 def attachment_context(attachments: Attachments, conversation_id: str, owner: str,
                        library: bool = False) -> Iterator[AttachmentScope]:
     """Let the attachment tools see this conversation's files (and the owner's library) inside the block."""
@@ -602,13 +597,14 @@ def _pages_word(meta: dict) -> str:
     return f"{count} section{'s' if count != 1 else ''}"
 
 
-def attachment_listing(scope: AttachmentScope | None) -> str:
+async def attachment_listing(scope: AttachmentScope | None) -> str:
     """The prompt block naming the files the tools can see (never their text); "" when there are none."""
     if scope is None:
         return ""
     blocks = []
+    listed = await scope.attachments.list_many(scope.scopes)
     for s in scope.scopes:
-        metas = scope.attachments.list(s)
+        metas = listed[s.key]
         if not metas:
             continue
         title = ("Files attached to this conversation:" if s.source == "conversation"
@@ -636,7 +632,8 @@ async def search_attachments(query: str) -> AttachmentToolResult:
     scope = attachment_scope.get()
     if scope is None:
         return AttachmentToolResult(NO_CONTEXT, "no attachment context")
-    if not any(scope.attachments.list(s) for s in scope.scopes):
+    listed = await scope.attachments.list_many(scope.scopes)
+    if not any(listed.values()):
         return AttachmentToolResult("No files are attached to this conversation.", "no files")
     hits = await scope.attachments.search(scope.scopes, query)
     if not hits:
@@ -656,9 +653,8 @@ async def search_attachments(query: str) -> AttachmentToolResult:
     )
 
 
-def _find(scope: AttachmentScope, name: str) -> tuple[Scope, dict] | None:
+def _find(candidates: list[tuple[Scope, dict]], name: str) -> tuple[Scope, dict] | None:
     """The attachment called `name` (exactly, else ignoring case, else by id); the newest wins."""
-    candidates = [(s, m) for s in scope.scopes for m in scope.attachments.list(s)]
     for matches in (
         lambda m: m["name"] == name,
         lambda m: m["name"].casefold() == name.strip().casefold(),
@@ -684,14 +680,19 @@ async def read_attachment(name: str, start_page: int = 1,
     scope = attachment_scope.get()
     if scope is None:
         return AttachmentToolResult(NO_CONTEXT, "no attachment context")
-    found = _find(scope, name)
+    listed = await scope.attachments.list_many(scope.scopes)
+    candidates = [(s, m) for s in scope.scopes for m in listed[s.key]]
+    found = _find(candidates, name)
     if found is None:
-        known = [m["name"] for s in scope.scopes for m in scope.attachments.list(s)]
+        known = [m["name"] for _, m in candidates]
         listing = ", ".join(known) if known else "none"
         return AttachmentToolResult(f"No attached file is called {name!r}. Attached files: {listing}.",
                                     "no such file")
     where, meta = found
-    pages = await asyncio.to_thread(scope.attachments.pages, where, meta["id"])
+    try:
+        pages = await scope.attachments.pages(where, meta["id"])
+    except AttachmentNotFound:
+        return AttachmentToolResult(f"{meta['name']} was just deleted.", "no such file")
     last = pages[-1]["page"]
     start = max(1, start_page)
     end = min(last, end_page if end_page is not None else last)

@@ -15,9 +15,14 @@ import asyncio
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
+from chatserver.attachments.blobs import BlobMissing, Blobs, BlobsUnavailable, FileBlobs
+from chatserver.attachments.meta import AttachmentMeta, FileMeta, RedisMeta
+from chatserver.attachments.store import AttachmentNotFound, scope_of_key
+from chatserver.conversations.document import valid_id
 from chatserver.store.files import FileStore, Store
 from chatserver.store.redis import RedisStore, StoreUnavailable
 
@@ -73,6 +78,7 @@ async def run(args: argparse.Namespace) -> dict[str, int]:
             opened[kind] = store = open_store(kind, args)
             await store.ping()
         copied = await migrate(opened[args.source], opened[args.target])
+        copied["attachments"] = await migrate_attachments_between(args)
         return {**copied, **await migrate_accounts(args, opened)}
     finally:
         for store in opened.values():
@@ -83,6 +89,71 @@ def default_data_dir() -> Path:
     from chatserver.config import get_settings
 
     return get_settings().data_dir
+
+
+async def migrate_attachments(source: AttachmentMeta, source_blobs: Blobs,
+                              target: AttachmentMeta, target_blobs: Blobs) -> int:
+    """Copy every attachment's metadata, pages and original from one pair of stores to the other,
+    byte for byte; how many were copied. Like the conversations: repeatable (an attachment already
+    there is replaced), the source left as it was. The original goes first and the metadata last,
+    as an upload does, so the target never lists a file without its bytes. An attachment whose
+    original is missing from the source is reported and skipped; when both sides keep originals in
+    the same place (BLOB_STORE=files on one DATA_DIR) they are left where they are."""
+    same_place = source_blobs.where == target_blobs.where
+    copied = 0
+    async for key in source.scope_keys():
+        try:
+            scope = scope_of_key(key)
+        except (AttachmentNotFound, ValueError):
+            log.warning("skipping attachments under %r: not a conversation or library", key)
+            continue
+        for meta in (await source.list_many([scope.key]))[scope.key]:
+            if not valid_id(meta.get("id", "")):
+                log.warning("skipping an attachment under %s: its id is not one this server makes", scope.key)
+                continue
+            pages = await source.pages(scope.key, meta["id"])
+            if pages is None:
+                continue  # deleted meanwhile
+            if not same_place:
+                try:
+                    blob = await source_blobs.open(scope.key, meta["id"])
+                except BlobMissing:
+                    log.error("skipping attachment %s/%s: its original is missing", scope.key, meta["id"])
+                    continue
+                with tempfile.TemporaryDirectory(prefix="migrate-") as tmp:
+                    copy = Path(tmp) / "original"
+                    try:
+                        with open(copy, "wb") as out:
+                            async for chunk in blob.chunks:
+                                out.write(chunk)
+                    finally:
+                        await blob.aclose()
+                    await target_blobs.put(scope.key, meta["id"], copy)
+            await target.put(scope.key, meta, pages)
+            copied += 1
+    return copied
+
+
+async def migrate_attachments_between(args: argparse.Namespace) -> int:
+    """The attachments between the file store under `--data-dir` (metadata and originals there)
+    and Redis (metadata beside the conversations, originals in the configured BLOB_STORE)."""
+    from chatserver.app import make_blobs
+    from chatserver.config import get_settings
+
+    redis = RedisStore(args.redis_url, prefix=args.redis_prefix)
+    root = args.data_dir / "attachments"
+    sides: dict[str, tuple[AttachmentMeta, Blobs]] = {
+        "files": (FileMeta(root), FileBlobs(root)),
+        "redis": (RedisMeta(redis), make_blobs(get_settings())),
+    }
+    try:
+        for _, blobs in sides.values():
+            await blobs.start()
+        return await migrate_attachments(*sides[args.source], *sides[args.target])
+    finally:
+        for _, blobs in sides.values():
+            await blobs.close()
+        await redis.close()
 
 
 def main(argv: list[str]) -> int:
@@ -101,7 +172,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         copied = asyncio.run(run(args))
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, BlobsUnavailable) as exc:
         print(f"migrate: {exc}", file=sys.stderr)
         return 1
     print(f"copied from {args.source} to {args.target}: " + ", ".join(f"{n} {k.replace('_', ' ')}"

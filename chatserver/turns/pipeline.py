@@ -457,7 +457,7 @@ class Turns:
             healed = False
             while True:
                 conv = await turn.store.get(turn.conv_id)
-                files = self._attachment_listing(turn, conv)
+                files = await self._attachment_listing(turn, conv)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
@@ -546,9 +546,9 @@ class Turns:
         return attachment_context(self.attachments, turn.conv_id, turn.store.owner,
                                   library=bool(conv["settings"].get("library")))
 
-    def _attachment_listing(self, turn: Turn, conv: dict) -> str:
+    async def _attachment_listing(self, turn: Turn, conv: dict) -> str:
         with self._attachment_scope(turn, conv) as scope:
-            return attachment_listing(scope)
+            return await attachment_listing(scope)
 
     async def _selection(self, turn: Turn, conv: dict, has_files: bool) -> tools.Selection:
         """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
