@@ -32,8 +32,8 @@ _ERRORS = {1: "an unknown error", 2: "the file could not be read", 3: "it is not
 
 
 # Three or more lines of one Han or kana character each: a line of widely tracked CJK text that
-# pdfium broke at every character.
-_CJK_COLUMN = re.compile(f"(?m)^(?:[{_CJK}]\n){{2,}}[{_CJK}]$")
+# pdfium broke at every character (its first character sometimes left at the end of the line before).
+_CJK_COLUMN = re.compile(f"(?m)(?:(?<=[{_CJK}])\n)?(?:^[{_CJK}]\n){{2,}}[{_CJK}]$")
 
 
 def fix_cjk_spacing(text: str) -> str:

@@ -37,7 +37,10 @@ def extract_text(path: Path, budget: Budget, limit: int) -> list[dict]:
     sections: list[dict] = []
     chunk: list[str] = []
     size, first, number = 0, 1, 0
-    for number, line in enumerate(clean(text).split("\n"), start=1):
+    lines = clean(text).split("\n")
+    if len(lines) > 1 and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line starts no line of its own
+    for number, line in enumerate(lines, start=1):
         while len(line) > limit:  # one enormous line (minified code) becomes several sections
             if chunk:
                 sections.append(section(len(sections) + 1, lines_label(first, number - 1), "\n".join(chunk)))
@@ -105,7 +108,7 @@ def extract_html(path: Path, budget: Budget) -> list[dict]:
     def flush() -> None:
         nonlocal parts
         text = "\n".join(" ".join(line.split()) for line in "".join(parts).split("\n"))
-        out.add(label or f"section {len(out.out) + 1}", re.sub(r"\n{3,}", "\n\n", text))
+        out.add(label or f"section {len(out.out) + 1}", re.sub(r"\n{2,}", "\n", text))
         parts = []
 
     def walk(element) -> None:
