@@ -3,11 +3,12 @@ disk, and searched by the model through two tools that take only what the model 
 
 Promises:
 - A file is recognised by its content (magic bytes) and its extension, never by the type the
-  client claims. PDF (pypdfium2), DOCX (python-docx) and UTF-8 text-like files are recognised and
-  read by `extraction.py` in a child process under a memory and time limit, one per person at a
-  time, so no file can exhaust the server or hold up other people's uploads. Text is kept per page
-  (PDF) or per section (DOCX headings, bounded chunks of text files), each with its position, so
-  an answer can cite "report.pdf p. 12".
+  client claims. PDF, Word, XLSX, PPTX, ODT, HTML, Markdown and UTF-8 text-like files are
+  recognised and read by `extraction.py` (its `readers/`) in a child process under a memory and
+  time limit, one per person at a time, so no file can exhaust the server or hold up other people's
+  uploads. Text is kept per page (PDF) or per bounded section (headings, tables, slides, sheets'
+  rows, lines of text files), each with its position, so an answer can cite "report.pdf p. 12";
+  what could not be read of an accepted file is in its meta's `warnings`.
 - Any failure raises an `AttachmentError` carrying its HTTP status and a sentence saying what was
   wrong; nothing is stored then. A stored attachment is a directory
   `DATA_DIR/attachments/<scope>/<id>/` holding `meta.json`, `pages.json` and `original`, which
