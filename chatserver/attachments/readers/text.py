@@ -38,7 +38,8 @@ def extract_text(path: Path, budget: Budget, limit: int) -> list[dict]:
     chunk: list[str] = []
     size, first, number = 0, 1, 0
     lines = clean(text).split("\n")
-    if len(lines) > 1 and lines[-1] == "":
+    ended = len(lines) > 1 and lines[-1] == ""
+    if ended:
         lines.pop()  # the newline that ends the last line starts no line of its own
     for number, line in enumerate(lines, start=1):
         while len(line) > limit:  # one enormous line (minified code) becomes several sections
@@ -56,6 +57,8 @@ def extract_text(path: Path, budget: Budget, limit: int) -> list[dict]:
         size += len(line) + 1
     if chunk:
         sections.append(section(len(sections) + 1, lines_label(first, number), "\n".join(chunk)))
+    if sections and ended:
+        sections[-1]["text"] += "\n"  # the file's text kept whole, its last newline included
     sections = [s for s in sections if s["text"].strip()]
     for number, s in enumerate(sections, start=1):
         s["page"] = number
