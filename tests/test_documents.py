@@ -373,3 +373,12 @@ async def test_new_kinds_upload_with_their_media_types(api, client):
 
 def test_corpus_manifest_is_valid_json():
     json.loads(corpus.MANIFEST.read_text())
+
+
+async def test_a_pdf_that_will_not_open_says_why_in_words_not_pdfiums_codes(tmp_path):
+    """Before issue 24 a file pdfium refused without an error code read "damaged ... (PDFium: Success)"."""
+    for data in (b"%PDF-1.7\n" + bytes(range(256)) * 8, b"this is not a PDF at all\n" * 40):
+        with pytest.raises(Unreadable) as refused:
+            await read("broken.pdf", data, tmp_path)
+        assert "PDFium" not in str(refused.value) and "Success" not in str(refused.value)
+        assert str(refused.value).startswith("the PDF is damaged and could not be opened ("), str(refused.value)
