@@ -231,6 +231,14 @@ def test_xlsx_sheet_by_sheet_with_row_labels(readings):
     assert answer["pages"][0]["label"].startswith(f'Sheet "{first_sheet}" row')
 
 
+def test_a_strict_ooxml_workbook_reads_as_its_transitional_twin(readings):
+    """POI's SampleSS.strict.xlsx is SampleSS.xlsx saved as Strict Open XML; openpyxl alone reads
+    no cell of it (and says nothing), so the reader hands it a Transitional copy."""
+    assert b"purl.oclc.org" in zipfile.ZipFile(DOCS / "poi-SampleSS.strict.xlsx").read("xl/workbook.xml")
+    assert [(s["label"], s["text"]) for s in readings["poi-SampleSS.strict.xlsx"]["pages"]] == \
+        [(s["label"], s["text"]) for s in readings["poi-SampleSS.xlsx"]["pages"]]
+
+
 def test_pptx_slide_by_slide_with_notes(readings):
     assert readings["poi-with_japanese.pptx"]["kind"] == "pptx"
     slides = [(s["label"], s["text"]) for s in readings["pypptx-ph-inherit-props.pptx"]["pages"]]

@@ -29,10 +29,14 @@ def _cell(value: object) -> str:
 
 def extract_xlsx(path: Path, budget: Budget) -> list[dict]:
     """Sheet by sheet, rows as tab-separated text: 'Sheet "Q3" rows 1-40'."""
-    open_zip(path, "spreadsheet").close()
+    with open_zip(path, "spreadsheet") as package:
+        workbook = read_part(package, "xl/workbook.xml", "spreadsheet") or b""
+        # openpyxl reads no cell of a Strict workbook and says nothing: it gets a Transitional copy.
+        strict = _transitional(package) if b"purl.oclc.org/ooxml" in workbook[:4096] else None
     import openpyxl
 
-    source = open(path, "rb")  # a file object: openpyxl refuses a path whose name is not .xlsx (an upload's is not)
+    # A file object: openpyxl refuses a path whose name is not .xlsx (an upload's is not).
+    source = strict if strict is not None else open(path, "rb")
     try:
         book = openpyxl.load_workbook(source, read_only=True, data_only=True, keep_links=False)
     except MemoryError:
@@ -75,6 +79,34 @@ def extract_xlsx(path: Path, budget: Budget) -> list[dict]:
         book.close()
         source.close()
     return out.out
+
+
+# Strict OOXML (ISO 29500 Strict) names its namespaces and relationship types under purl.oclc.org;
+# these are the Transitional names a reader of ordinary files expects for each of them.
+STRICT_NAMESPACES = (
+    (b"http://purl.oclc.org/ooxml/spreadsheetml/main", b"http://schemas.openxmlformats.org/spreadsheetml/2006/main"),
+    (b"http://purl.oclc.org/ooxml/officeDocument/relationships",
+     b"http://schemas.openxmlformats.org/officeDocument/2006/relationships"),
+    (b"http://purl.oclc.org/ooxml/drawingml/main", b"http://schemas.openxmlformats.org/drawingml/2006/main"),
+    (b"http://purl.oclc.org/ooxml/officeDocument/", b"http://schemas.openxmlformats.org/officeDocument/2006/"),
+)
+
+
+def _transitional(package):  # -> io.BytesIO
+    """A Transitional copy of a Strict package, in memory (its size is bounded by open_zip's check)."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as copy:
+        for info in package.infolist():
+            data = read_part(package, info.filename, "spreadsheet") or b""
+            if info.filename.endswith((".xml", ".rels")):
+                for strict, transitional in STRICT_NAMESPACES:
+                    data = data.replace(strict, transitional)
+            copy.writestr(info.filename, data)
+    out.seek(0)
+    return out
 
 
 def _rows_label(sheet: str, first: int, last: int) -> str:
