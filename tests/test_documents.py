@@ -390,3 +390,29 @@ async def test_a_pdf_that_will_not_open_says_why_in_words_not_pdfiums_codes(tmp_
             await read("broken.pdf", data, tmp_path)
         assert "PDFium" not in str(refused.value) and "Success" not in str(refused.value)
         assert str(refused.value).startswith("the PDF is damaged and could not be opened ("), str(refused.value)
+
+
+@pytest.mark.skipif(not Path("/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc").exists(),
+                    reason="needs fonts-noto-cjk for a CJK PDF")
+async def test_a_chinese_line_set_character_by_character_is_found_by_a_chinese_query(api, client, app):
+    """Each character placed on its own with a gap, as spaced-out titles and justified lines are:
+    pdfium (and pdftotext too, here) puts a space between every character, so the search's bigrams
+    ("预算") never formed. The spaces between Han characters are removed; Latin text keeps its own."""
+    from fpdf import FPDF
+
+    from chatserver.attachments.store import search_attachments
+
+    pdf = FPDF()
+    pdf.add_font("noto", fname="/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc", collection_font_number=2)
+    pdf.set_font("noto", size=12)
+    pdf.add_page()
+    for index, character in enumerate("试点项目的预算为四万欧元"):
+        pdf.text(20 + index * 7.5, 30, character)
+    pdf.text(20, 45, "Budget 2026: the pilot costs 40,000 euros.")
+    conv = await api.new()
+    stored = await upload(client, conv["id"], "预算.pdf", bytes(pdf.output()))
+    assert stored.status_code == 201, stored.text
+    with attachment_context(store(app), conv["id"], "local"):
+        found = await search_attachments("预算")
+        assert found.passages and "试点项目的预算为四万欧元" in found.passages[0]["text"]
+        assert "Budget 2026: the pilot costs 40,000 euros." in found.passages[0]["text"]
