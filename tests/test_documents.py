@@ -416,3 +416,12 @@ async def test_a_chinese_line_set_character_by_character_is_found_by_a_chinese_q
         found = await search_attachments("预算")
         assert found.passages and "试点项目的预算为四万欧元" in found.passages[0]["text"]
         assert "Budget 2026: the pilot costs 40,000 euros." in found.passages[0]["text"]
+
+
+async def test_a_long_heading_section_is_split_into_parts_that_say_so(tmp_path):
+    from test_attachments import make_docx
+
+    answer = await read("long.docx", make_docx([("Budget", "The pilot costs forty thousand euros. " * 300)]), tmp_path)
+    labels = [s["label"] for s in answer["pages"]]
+    assert labels == ["§ Budget, part 1", "§ Budget, part 2", "§ Budget, part 3"], labels
+    assert all(len(s["text"]) <= 4000 for s in answer["pages"])

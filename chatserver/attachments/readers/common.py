@@ -80,7 +80,7 @@ class Budget:
 
 class Sections:
     """Sections in reading order, each at most SECTION_CHARS: text added under one label is cut at
-    paragraph, line or word ends into as many sections as it needs (the label repeated)."""
+    paragraph, line or word ends into as many sections as it needs ("§ Budget, part 2")."""
 
     def __init__(self, budget: Budget, limit: int = SECTION_CHARS) -> None:
         self.out: list[dict] = []
@@ -88,10 +88,15 @@ class Sections:
         self.limit = limit
 
     def add(self, label: str, text: str) -> None:
+        """Sections of `text` under `label`; "label, part 2" and on when it needs more than one."""
         text = clean(text).strip()
+        pieces = []
         while text:
             piece, text = cut(text, self.limit)
-            self.out.append(section(len(self.out) + 1, label, self.budget.add(piece)))
+            pieces.append(self.budget.add(piece))
+        for number, piece in enumerate(pieces, start=1):
+            named = label if len(pieces) == 1 else f"{label}, part {number}"
+            self.out.append(section(len(self.out) + 1, named, piece))
 
 
 def cut(text: str, limit: int) -> tuple[str, str]:
