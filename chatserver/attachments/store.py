@@ -740,7 +740,7 @@ async def read_attachment(name: str, start_page: int = 1, end_page: int | None =
     if stop is not None:
         page_no, at = stop
         if at:
-            label = pages[page_no - 1]["label"]
+            label = pages[page_no - 1]["label"][:120]  # the line fits READ_POINTER_ROOM whatever the label
             text += (f"\n\n[Stopped at character {at:,} of {len(pages[page_no - 1]['text']):,} in {label} "
                      f"(page {page_no}) to stay within {READ_MAX_CHARS} characters; call read_attachment with "
                      f"start_page={page_no}, offset={at} to continue.]")
