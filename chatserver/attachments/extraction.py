@@ -45,9 +45,19 @@ if __package__:
         TooLarge,
         Unreadable,
         Unsupported,
+        near_memory_limit,
     )
 else:  # the child, run as a script from this directory
-    from readers.common import SECTION_CHARS, AttachmentError, Budget, Busy, TooLarge, Unreadable, Unsupported
+    from readers.common import (
+        SECTION_CHARS,
+        AttachmentError,
+        Budget,
+        Busy,
+        TooLarge,
+        Unreadable,
+        Unsupported,
+        near_memory_limit,
+    )
 
 log = logging.getLogger("chat.extraction")
 
@@ -184,7 +194,7 @@ def read_file(request: dict) -> dict:
     except MemoryError:
         return {"status": 422, "error": _too_big(request["max_mb"])}
     except Exception:
-        if _near_memory_limit():  # lxml reports a failed allocation as "unknown error", among others
+        if near_memory_limit():  # lxml reports a failed allocation as "unknown error", among others
             return {"status": 422, "error": _too_big(request["max_mb"])}
         raise
 
@@ -214,21 +224,9 @@ def _too_big(max_mb: int) -> str:
             "(EXTRACT_MAX_MB); it is built to inflate far beyond its size, or it is simply too big")
 
 
-_memory_limit_kb = 0
-
-
-def _near_memory_limit() -> bool:
-    """Whether this child's peak resident memory came within a quarter of its limit."""
-    import resource
-
-    return bool(_memory_limit_kb) and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > _memory_limit_kb * 3 // 4
-
-
 def _limit_self(max_mb: int, cpu_seconds: int) -> None:
     import resource
 
-    global _memory_limit_kb
-    _memory_limit_kb = max_mb * 1024
     resource.setrlimit(resource.RLIMIT_AS, (max_mb * 2**20, max_mb * 2**20))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a reader that aborts leaves no core file

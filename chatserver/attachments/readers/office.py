@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from .common import Budget, Sections, Unreadable, clean, local, open_zip, parse_xml, read_part
+from .common import Budget, Sections, Unreadable, clean, local, near_memory_limit, open_zip, parse_xml, read_part
 
 ROWS_PER_SECTION = 200  # and at most SECTION_CHARS of text, whichever comes first
 
@@ -42,6 +42,8 @@ def extract_xlsx(path: Path, budget: Budget) -> list[dict]:
     except MemoryError:
         raise
     except Exception as exc:  # openpyxl, defusedxml and zipfile raise many kinds on a bad package
+        if near_memory_limit():
+            raise MemoryError from None
         reason = "it declares XML entities, which are refused" if "Entit" in type(exc).__name__ \
             else f"{type(exc).__name__}: {exc}"
         source.close()
@@ -74,6 +76,8 @@ def extract_xlsx(path: Path, budget: Budget) -> list[dict]:
     except Unreadable:
         raise
     except Exception as exc:
+        if near_memory_limit():
+            raise MemoryError from None
         raise Unreadable(f"the spreadsheet is damaged ({type(exc).__name__}: {exc})") from None
     finally:
         book.close()
@@ -138,6 +142,8 @@ def extract_pptx(path: Path, budget: Budget) -> list[dict]:
     except MemoryError:
         raise
     except Exception as exc:
+        if near_memory_limit():
+            raise MemoryError from None
         raise Unreadable(f"the presentation is damaged ({type(exc).__name__})") from None
     out = Sections(budget)
     try:
@@ -151,6 +157,8 @@ def extract_pptx(path: Path, budget: Budget) -> list[dict]:
     except MemoryError:
         raise
     except Exception as exc:
+        if near_memory_limit():
+            raise MemoryError from None
         raise Unreadable(f"the presentation is damaged ({type(exc).__name__}: {exc})") from None
     return out.out
 
