@@ -3,11 +3,12 @@ the stores, and searched by the model through two tools that take only what the 
 
 Promises:
 - A file is recognised by its content (magic bytes) and its extension, never by the type the
-  client claims. PDF (pypdfium2), DOCX (python-docx) and UTF-8 text-like files are recognised and
-  read by `extraction.py` in a child process under a memory and time limit, one per person at a
-  time, so no file can exhaust the server or hold up other people's uploads. Text is kept per page
-  (PDF) or per section (DOCX headings, bounded chunks of text files), each with its position, so
-  an answer can cite "report.pdf p. 12".
+  client claims. PDF, Word, XLSX, PPTX, ODT, HTML, Markdown and UTF-8 text-like files are
+  recognised and read by `extraction.py` (its `readers/`) in a child process under a memory and
+  time limit, one per person at a time, so no file can exhaust the server or hold up other people's
+  uploads. Text is kept per page (PDF) or per bounded section (headings, tables, slides, sheets'
+  rows, lines of text files), each with its position, so an answer can cite "report.pdf p. 12";
+  what could not be read of an accepted file is in its meta's `warnings`.
 - Any failure raises an `AttachmentError` carrying its HTTP status and a sentence saying what was
   wrong; nothing is stored then. A stored attachment is its metadata and pages in a metadata
   store (`meta.py`: files under DATA_DIR/attachments/<scope>/<id>/, or Redis) and its original in
@@ -45,6 +46,7 @@ from pathlib import Path, PurePosixPath
 from chatserver.attachments.blobs import Blob, BlobMissing, Blobs, BlobsUnavailable, FileBlobs  # noqa: F401
 from chatserver.attachments.extraction import (  # noqa: F401  (the errors are this module's too)
     ACCEPTED,
+    MEDIA_TYPES,
     TEXT_TYPES,
     AttachmentError,
     Busy,
@@ -151,18 +153,15 @@ def sanitize_name(name: str) -> str:
 
 
 def media_type(kind: str, name: str) -> str:
-    if kind == "pdf":
-        return MEDIA_PDF
-    if kind == "docx":
-        return MEDIA_DOCX
-    return TEXT_TYPES.get(extension(name), "text/plain")
+    return MEDIA_TYPES.get(kind) or TEXT_TYPES.get(extension(name), "text/plain")
 
 
 def cited_as(meta: dict, section: dict) -> str:
     """Where a passage is, as a person reads it on a citation chip: "p. 3" (PDF), "lines 40-80"
-    (text), "§ Budget" or "section 2" (DOCX, by its heading when it has one)."""
+    (text), "§ Budget" or "section 2" (DOCX, Markdown, HTML), "slide 7", 'Sheet "Q3" rows 1-40',
+    "footnotes". The reader writes the label so; a DOCX stored before issue 24 kept its bare heading."""
     label = section["label"]
-    if meta.get("media_type") == MEDIA_DOCX and label != f"section {section['page']}":
+    if meta.get("media_type") == MEDIA_DOCX and "warnings" not in meta and label != f"section {section['page']}":
         return f"§ {label}"
     return label
 
@@ -441,6 +440,7 @@ class Attachments:
                     "id": new_id(), "name": display, "media_type": media_type(kind, display), "bytes": size,
                     "pages": total if kind == "pdf" else None, "chars": sum(len(p["text"]) for p in pages),
                     "created_at": now_iso(), "kind": kind, "sections": len(pages),
+                    "warnings": read.get("warnings", []),
                 }
                 if kind == "pdf" and total > len(pages):
                     meta["pages_read"] = len(pages)
@@ -557,6 +557,7 @@ def public(meta: dict) -> dict:
     out = {k: meta.get(k) for k in ("id", "name", "media_type", "bytes", "pages", "chars", "created_at")}
     if "pages_read" in meta:
         out["pages_read"] = meta["pages_read"]
+    out["warnings"] = meta.get("warnings", [])
     return out
 
 
@@ -618,7 +619,7 @@ async def attachment_listing(scope: AttachmentScope | None) -> str:
 
 def _where(passage: Passage) -> str:
     return f"{passage.name} {passage.label}" if passage.label.startswith("p. ") else \
-        f"{passage.name} §{passage.page} ({passage.label})"
+        f"{passage.name} §{passage.page} ({passage.label.removeprefix('§ ')})"
 
 
 async def search_attachments(query: str) -> AttachmentToolResult:
@@ -666,16 +667,30 @@ def _find(candidates: list[tuple[Scope, dict]], name: str) -> tuple[Scope, dict]
     return None
 
 
-async def read_attachment(name: str, start_page: int = 1,
-                          end_page: int | None = None) -> AttachmentToolResult:
+# Kept free in every read_attachment answer for the line saying where the rest is, so it is never cut.
+READ_POINTER_ROOM = 400
+
+
+def _cut_at(text: str, limit: int) -> int:
+    """Where to cut `text` to at most `limit` characters: a paragraph, line or word end when one is near."""
+    if len(text) <= limit:
+        return len(text)
+    at = max(text.rfind("\n", 0, limit), text.rfind(" ", 0, limit))
+    return at if at > limit // 2 else max(limit, 1)
+
+
+async def read_attachment(name: str, start_page: int = 1, end_page: int | None = None,
+                          offset: int = 0) -> AttachmentToolResult:
     """Read pages start_page to end_page of an attached file; a long range is cut short.
 
-    DOCX and text files have numbered sections instead of pages.
+    DOCX and text files have numbered sections instead of pages. An answer that had to stop says
+    where the rest is (start_page, and offset when it stopped inside a page); that line is never cut.
 
     Args:
         name: the file's name as listed (e.g. "report.pdf").
         start_page: the first page to read, from 1.
         end_page: the last page to read; omit to read on as far as the length cap allows.
+        offset: characters of start_page already read, as the continue line gives it; 0 otherwise.
     """
     scope = attachment_scope.get()
     if scope is None:
@@ -699,25 +714,48 @@ async def read_attachment(name: str, start_page: int = 1,
     if start > last or end < start:
         return AttachmentToolResult(f"{meta['name']} has pages 1 to {last}; {start_page}-{end_page} is "
                                     "outside that.", "pages out of range")
-    parts, size, shown = [], 0, []
+    offset = max(0, min(offset, len(pages[start - 1]["text"]))) if offset else 0
+    room = READ_MAX_CHARS - READ_POINTER_ROOM
+    parts: list[str] = []
+    shown: list[tuple[dict, str]] = []  # each page read and the text of it shown
+    size, stop = 0, None  # stop: (page, offset) where the rest begins
     for page in pages[start - 1:end]:
-        block = f"--- {meta['name']} {page['label']} ---\n{page['text']}"
-        if size + len(block) > READ_MAX_CHARS and parts:
+        skip = offset if page["page"] == start else 0
+        head = f"--- {meta['name']} {page['label']}" + (f" (from character {skip})" if skip else "") + " ---\n"
+        body = page["text"][skip:]
+        if size + len(head) + len(body) > room:
+            if parts:
+                stop = (page["page"], 0)
+                break
+            take = _cut_at(body, max(room - len(head), 1))
+            parts.append(head + body[:take])
+            shown.append((page, body[:take]))
+            stop = (page["page"], skip + take) if take < len(body) else None
+            if stop is None and page["page"] < end:
+                stop = (page["page"] + 1, 0)
             break
-        parts.append(block[:READ_MAX_CHARS])
-        size += len(block)
-        shown.append(page["page"])
+        parts.append(head + body)
+        shown.append((page, body))
+        size += len(head) + len(body) + 2
     text = "\n\n".join(parts)
-    if shown[-1] < end:
-        text += (f"\n\n[Stopped after page {shown[-1]} to stay within {READ_MAX_CHARS} characters; "
-                 f"call read_attachment with start_page={shown[-1] + 1} to continue.]")
-    span = f"{shown[0]}" if len(shown) == 1 else f"{shown[0]}-{shown[-1]}"
+    if stop is not None:
+        page_no, at = stop
+        if at:
+            label = pages[page_no - 1]["label"][:120]  # the line fits READ_POINTER_ROOM whatever the label
+            text += (f"\n\n[Stopped at character {at:,} of {len(pages[page_no - 1]['text']):,} in {label} "
+                     f"(page {page_no}) to stay within {READ_MAX_CHARS} characters; call read_attachment with "
+                     f"start_page={page_no}, offset={at} to continue.]")
+        else:
+            text += (f"\n\n[Stopped after page {page_no - 1} to stay within {READ_MAX_CHARS} characters; "
+                     f"call read_attachment with start_page={page_no} to continue.]")
+    numbers = [p["page"] for p, _ in shown]
+    span = f"{numbers[0]}" if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
     return AttachmentToolResult(
         text, f"read {meta['name']} {'p.' if meta.get('pages') is not None else '§'} {span}",
         [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "label": cited_as(meta, p)}
-         for p in pages[start - 1:start - 1 + len(shown)]],
-        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "text": p["text"],
-          "source": where.source} for p in pages[start - 1:start - 1 + len(shown)]],
+         for p, _ in shown],
+        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "text": part,
+          "source": where.source} for p, part in shown],
     )
 
 

@@ -17,6 +17,8 @@ export function formatBytes(n) {
 function describe(file) {
   const parts = [formatBytes(file.bytes)];
   if (file.pages != null) parts.push(`${file.pages} ${file.pages === 1 ? "page" : "pages"}`);
+  // What of an accepted file could not be read (a PDF page that failed), as the server says it.
+  if (file.warnings?.length) parts.push(`⚠ ${file.warnings.join("; ")}`);
   return parts.join(" · ");
 }
 

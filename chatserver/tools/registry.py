@@ -593,6 +593,7 @@ async def _read_attachment(
     name: Annotated[str, Field(min_length=1, max_length=300, description='The file\'s name as listed (e.g. "report.pdf").')],
     start_page: Annotated[int, Field(ge=1, description="The first page (or section) to read, from 1.")] = 1,
     end_page: Annotated[int | None, Field(ge=1, description="The last page to read; omit to read on as far as the length cap allows.")] = None,  # noqa: E501
+    offset: Annotated[int, Field(ge=0, description="Characters of start_page already read, as an answer's continue line gives it; 0 otherwise.")] = 0,  # noqa: E501
 ) -> ToolOutput:
-    """Read a page range of an attached file (DOCX and text files have numbered sections instead of pages); a long range is cut short and says where to continue."""  # noqa: E501
-    return _from_attachments(await attachments.read_attachment(name, start_page, end_page))
+    """Read a page range of an attached file (documents other than PDF have numbered sections instead of pages); a long range is cut short and says where to continue."""  # noqa: E501
+    return _from_attachments(await attachments.read_attachment(name, start_page, end_page, offset))
