@@ -330,7 +330,7 @@ async def test_reading_section_by_section_returns_the_whole_document(tmp_path):
     upload_path = tmp_path / "in.part"
     upload_path.write_bytes(data)
     meta = await attachments.ingest(scope, "tables.docx", upload_path, "local")
-    pages = attachments.pages(scope, meta["id"])
+    pages = await attachments.pages(scope, meta["id"])
     token = att.attachment_scope.set(att.AttachmentScope(attachments, (scope,)))
     try:
         seen, start, offset, calls = [], 1, 0, 0
