@@ -346,7 +346,7 @@ async def test_reading_section_by_section_returns_the_whole_document(tmp_path):
         assert "".join(seen) == "".join(p["text"] for p in pages)
     finally:
         att.attachment_scope.reset(token)
-        attachments.close()
+        await attachments.close()
 
 
 async def test_a_page_longer_than_the_cap_is_cut_with_a_pointer_that_is_never_cut(api, client, app):
