@@ -144,8 +144,8 @@ class Supervisor:
         code = 0
         while self.slots:
             pid, status = os.wait()
-            worker = self.slots.pop(pid, None)
-            if worker is None or self.stopping:
+            worker = self.slots.pop(pid, 0)  # 0: not a worker (none is numbered 0)
+            if not worker or self.stopping:
                 continue
             first, ran = worker in self.first, time.monotonic() - self.started_at[worker]
             self.first.discard(worker)
