@@ -24,6 +24,9 @@ With redis-server installed, two more servers with STORE=redis share a Redis the
 (a free port, a temporary directory, AOF on, stopped by its pid): one stream at a time (the added
 TTFB beside the file store's), 200 streams spread over both, and Stop asked of one while the
 turn runs on the other. Without redis-server those keys are empty and `redis_error` says why.
+Then one STORE=redis server with WORKERS=1 and then one with WORKERS=2 (`make run`'s way, in
+turn): the turn starts per second each sustains with p99 added time to first token under 100 ms,
+and their ratio (`phase_workers`).
 
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
@@ -645,6 +648,114 @@ def phase_redis(gw: Gateway, overhead: dict, tags: Tags, work: Path, log) -> dic
             svc.stop()  # by its own pid, Redis last
 
 
+# --- WORKERS=2 beside WORKERS=1 ------------------------------------------------------------------
+
+WORKERS_REPLY = {"words": 10, "delay": 0.05}  # half a second of reply: the phase measures turn starts
+WORKERS_STEP_SECONDS = 6.0  # each rate of turn starts is held this long (starts evenly spaced)
+WORKERS_FIRST_RATE = 20.0  # turn starts per second tried first; then ×1.5 until one misses
+WORKERS_MAX_RATE = 400.0
+WORKERS_BISECTIONS = 2  # between the last rate met and the first missed
+WORKERS_P99_LIMIT_MS = 100.0  # p99 added time to first token a rate must stay under
+WORKERS_KEYS = ("workers_turn_rate_1", "workers_turn_rate_2", "workers_turn_rate_ratio",
+                "workers_ttfb_added_p99_ms_1", "workers_ttfb_added_p99_ms_2")
+
+
+def wait_for_workers(server: Service, workers: int, timeout: float = 60) -> None:
+    """Until /healthz over fresh connections has been answered by every one of the server's workers."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: only workers {sorted(seen)} of {workers} answered: {server.tail()}")
+        try:
+            seen.add(httpx.get(server.url + "/healthz", timeout=2).json()["worker"])
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
+def phase_workers(gw: Gateway, tags: Tags, work: Path, log) -> dict:
+    """Turn starts per second a STORE=redis server sustains with WORKERS=1 and with WORKERS=2.
+
+    At each rate, `rate × WORKERS_STEP_SECONDS` turns (each on a conversation of its own, one
+    connection each) start evenly spaced; the rate is sustained when every turn completes and the
+    p99 time to first token exceeds the simulator's own (direct, at the same rate) by under
+    WORKERS_P99_LIMIT_MS. Rates rise ×1.5 from WORKERS_FIRST_RATE until one misses, then are
+    bisected. Both servers run on this machine in turn (never together), on one Redis, started as
+    `make run` starts them; the simulator, Redis and the load generator share its cores.
+    """
+    if not Path(REDIS_SERVER).exists():
+        log("  redis-server is not installed (apt-get install redis-server): the WORKERS figures are skipped")
+        return {**dict.fromkeys(WORKERS_KEYS), "workers_error": "redis-server is not installed"}
+    direct_port = int(gw.base_url.rsplit(":", 1)[1])
+    direct_p99: dict[float, float | None] = {}  # rate -> the simulator's own p99 TTFB, measured once per rate
+    out: dict = {}
+    started: list[Service] = []
+    try:
+        redis = start_redis(work / "redis-workers", work)
+        started.append(redis)
+        for database, workers in enumerate((1, 2)):
+            settings = {"STORE": "redis", "REDIS_URL": f"redis://{HOST}:{redis.port}/{database}",
+                        "WORKERS": str(workers)}
+            server = start_server(gw, work / f"data-workers-{workers}", work, name=f"server-workers-{workers}",
+                                  settings=settings)
+            started.append(server)
+            wait_for_workers(server, workers)
+            convs: list[str] = []
+
+            def step(rate: float) -> tuple[bool, float | None]:
+                n = int(round(rate * WORKERS_STEP_SECONDS))
+                if len(convs) < n:
+                    convs.extend(create_conversations(server, n - len(convs)))
+                if rate not in direct_p99:
+                    gw.script(WORKERS_REPLY, n + 20)
+                    spec = load_spec(direct_port, "chat", [[chat_request(tags())] for _ in range(n)],
+                                     spread=WORKERS_STEP_SECONDS, phase_timeout=120, request_timeout=60)
+                    direct_p99[rate] = summarize(run_load(spec, None, work).records)["ttfb"][99]
+                gw.script(WORKERS_REPLY, n + 20)
+                spec = load_spec(server.port, "turn", [[turn_request(c, tags())] for c in convs[:n]],
+                                 spread=WORKERS_STEP_SECONDS, phase_timeout=120, request_timeout=60)
+                load = run_load(spec, None, work)
+                summary = summarize(load.records)
+                ours, base = summary["ttfb"][99], direct_p99[rate]
+                added = ours - base if None not in (ours, base) else None
+                met = summary["completed"] == n and added is not None and added * 1000 < WORKERS_P99_LIMIT_MS
+                log(f"  WORKERS={workers} at {rate:5.1f} turn starts/s: {summary['completed']}/{n} completed, "
+                    f"p99 ttfb added {ms(added)} ms, other load {load.other_cpu:.0%} "
+                    f"{'met' if met else 'MISSED'}" + (f", errors {summary['errors']}" if summary["errors"] else ""))
+                return met, added
+
+            best, best_added, missed = None, None, None
+            rate = WORKERS_FIRST_RATE
+            while rate <= WORKERS_MAX_RATE:
+                met, added = step(rate)
+                if not met:
+                    missed = rate
+                    break
+                best, best_added = rate, added
+                rate = round(rate * 1.5, 1)
+            if best is not None and missed is not None:
+                for _ in range(WORKERS_BISECTIONS):
+                    middle = round((best + missed) / 2, 1)
+                    met, added = step(middle)
+                    if met:
+                        best, best_added = middle, added
+                    else:
+                        missed = middle
+            out[f"workers_turn_rate_{workers}"] = best
+            out[f"workers_ttfb_added_p99_ms_{workers}"] = ms(best_added)
+            log(f"  WORKERS={workers}: sustains {best} turn starts/s (p99 ttfb added {ms(best_added)} ms)"
+                + (f"; {missed} missed" if missed is not None else ""))
+            server.stop()
+            started.remove(server)
+        one, two = out.get("workers_turn_rate_1"), out.get("workers_turn_rate_2")
+        out["workers_turn_rate_ratio"] = round(two / one, 2) if one and two else None
+        log(f"  WORKERS=2 over WORKERS=1: {out['workers_turn_rate_ratio']}×")
+        return out
+    finally:
+        for svc in reversed(started):
+            svc.stop()
+
+
 WORDS = ("the of and to in is that for it as with was on be by this are from or at an not have but which we "
          "can you they all their has more one will if about would there use when so what some out up into them "
          "than other only new time these could may most also any then first like over such our very python "
@@ -916,6 +1027,8 @@ def verdict(results: dict) -> list[str]:
          results.get("redis_two_process_completed"), lambda v: v == results.get("redis_two_process_requested")),
         ("STORE=redis: p99 POST stop on B → A's upstream close < 100 ms", results.get("cross_process_stop_p99_ms"),
          lambda v: v < 100.0),
+        (f"WORKERS=2: turn starts/s sustained (p99 added TTFB < {WORKERS_P99_LIMIT_MS:.0f} ms) ≥ 1.6× WORKERS=1's",
+         results.get("workers_turn_rate_ratio"), lambda v: v >= 1.6),
     ]
     for label, value, test in checks:
         state = "n/a" if value is None or test is None else ("met" if test(value) else "**MISSED**")
@@ -1162,8 +1275,8 @@ def main() -> None:
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "cache", "search", "tools",
-                                 "attachments"],
+                        choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
+                                 "tools", "attachments"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1286,6 +1399,8 @@ def main() -> None:
         results.update(flatten(overhead, sustain, stops, history, rss_idle))
         results.update(attempt("redis", "two STORE=redis servers on one Redis",
                                lambda: phase_redis(gw, overhead, tags, work, log)) or {})
+        results.update(attempt("workers", "WORKERS=2 beside WORKERS=1 (STORE=redis): turn starts per second sustained",
+                               lambda: phase_workers(gw, tags, work, log)) or {})
         if litellm_error:
             # Unmeasured, not zero: the keys are there, empty, and `litellm_error` says why.
             for level in OVERHEAD_LEVELS:
