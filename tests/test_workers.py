@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,9 +27,11 @@ from chatserver.store.files import FileStore
 from gateway_sim.simulator import Script, steps
 from support import ROOT, LiveServer, parse_sse
 from test_reattach import WHOLE, Reader, has_delta, parse_block, slow_reply, start_conversation, text_of
+from test_serving import MAKE_RUN
 
-# `make run` is `python server.py`, i.e. server.main(); the port comes from PORT like any setting.
-MAKE_RUN = "import os, sys; os.environ['PORT'] = sys.argv[1]; import server; server.main()"
+# A low soft open-file limit, as a shell may give; `make run` raises it before the workers are forked.
+LOW_FILE_LIMIT = ("import resource; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+                  "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard)); ")
 _databases = itertools.count(8)  # Redis databases 8..15 here; test_several_servers counts from 1
 
 
@@ -226,6 +230,58 @@ def test_a_worker_killed_mid_reply_is_noticed_by_the_other_within_a_few_heartbea
     assert conv["streaming"] is False and conv["totals"]["turns"] == 2
     assert pid_new != pid_one
     assert "worker 1 (pid %d) was killed by signal 9" % pid_one in server.log()
+
+
+def read_json_response(sock: socket.socket) -> dict:
+    """One whole HTTP response with a content-length body, read off the socket; its JSON body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return json.loads(body)
+
+
+def open_files_limit(pid: int) -> tuple[str, str]:
+    with open(f"/proc/{pid}/limits") as f:
+        soft, hard = next(line for line in f if line.startswith("Max open files")).split()[3:5]
+    return soft, hard
+
+
+def test_each_worker_keeps_the_servers_limits(tmp_path, sim, redis_server):
+    """The request-head timer (and with it the guarded protocol) and the open-file limit hold in
+    every worker, not only in the process that bound the port."""
+    timeout = 1.0
+    live = LiveServer(tmp_path / "data", workers_env(sim, redis_server, HEADER_TIMEOUT=str(timeout)),
+                      launch=LOW_FILE_LIMIT + MAKE_RUN)
+    trickling: dict[int, socket.socket] = {}
+    try:
+        deadline = time.monotonic() + 20
+        while len(trickling) < 2:  # a kept-alive connection of each worker, its next request head never finished
+            assert time.monotonic() < deadline, f"only workers {sorted(trickling)} answered"
+            sock = socket.create_connection(("127.0.0.1", live.port), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            worker = read_json_response(sock)["worker"]
+            if worker in trickling:
+                sock.close()
+                continue
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\nx-slow: ")
+            trickling[worker] = sock
+        began = time.monotonic()
+        for worker, sock in trickling.items():
+            sock.settimeout(timeout + 5)
+            assert sock.recv(1024) == b"", f"worker {worker} kept a connection whose head never came"
+        assert time.monotonic() - began < timeout + 5
+        assert "sent no complete request head" in live.log()
+        for pid in worker_pids(live):
+            soft, hard = open_files_limit(pid)
+            assert soft == hard, (pid, soft, hard)
+    finally:
+        for sock in trickling.values():
+            sock.close()
+        live.stop()
 
 
 def test_workers_with_the_file_store_refuse_to_start_saying_why(tmp_path, sim):
