@@ -61,13 +61,15 @@ def worker_settings(settings: Settings, worker: int) -> Settings:
     return settings.model_copy(update={"search_index_dir": settings.index_dir / f"worker-{worker}"})
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """Linux: this worker gets SIGTERM (a graceful stop) if the parent dies, even by SIGKILL."""
     with contextlib.suppress(Exception):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before that was asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _run_worker(settings: Settings, worker: int, sock: socket.socket, log_format: str) -> int:
@@ -77,9 +79,6 @@ def _run_worker(settings: Settings, worker: int, sock: socket.socket, log_format
     from chatserver import serving
     from chatserver.app import create_app, settle_garbage_collector
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)  # the parent's handlers are not this process's; uvicorn sets its own
-    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[worker {worker}] {log_format}", force=True)
     app = create_app(worker_settings(settings, worker), worker=worker)
     settle_garbage_collector()
@@ -105,10 +104,14 @@ class Supervisor:
         self.stopping = False
 
     def _fork(self, worker: int) -> None:
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+                signal.signal(sig, signal.SIG_DFL)  # the parent's handlers are not this process's; uvicorn sets its own
             code = 1
             try:
+                _die_with_parent(parent)
                 code = self.run_worker(self.settings, worker, self.sock, self.log_format)
             except BaseException:
                 logging.getLogger("chat.workers").exception("worker %d failed", worker)
