@@ -345,3 +345,33 @@ async def test_healthz_names_the_one_worker_of_a_single_process(client):
     health = (await client.get("/healthz")).json()
     assert (health["worker"], health["workers"], health["pid"]) == (1, 1, os.getpid())
     assert health["search"] in ("building", "ready")
+
+
+async def test_user_remove_forgets_the_person_in_every_workers_index(settings, sim):
+    """`server.py user remove` drops the person's rows from each worker's index too, not only from
+    the single server's, so nothing of theirs stays on disk until the workers next start."""
+    from chatserver.accounts.cli import remove_data
+    from chatserver.search.index import SearchIndex
+
+    sim.enqueue(Script(steps=[steps.Text("Parsnips keep well in sand.")]))
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+            conv = (await c.post("/api/conversations", json={})).json()
+            await c.post(f"/api/conversations/{conv['id']}/messages", json={"content": "parsnips?"})
+            stored = (await c.get(f"/api/conversations/{conv['id']}")).json()
+    indexes = [SearchIndex(settings.index_dir / f"worker-{n}" / "search-redis.sqlite3") for n in (1, 2)]
+    for index in indexes:
+        await index.open()
+        await index.index_conversation("local", stored)
+        assert await index.search("local", "parsnips")
+        await index.close()
+
+    assert await remove_data(settings, "local") == 1
+
+    for n in (1, 2):
+        index = SearchIndex(settings.index_dir / f"worker-{n}" / "search-redis.sqlite3")
+        try:
+            assert await index.search("local", "parsnips") == [], f"worker {n}'s index kept the removed person's text"
+        finally:
+            await index.close()

@@ -111,8 +111,10 @@ async def remove_data(settings: Settings, owner: str) -> int:
         await attachments.delete_scope(library_scope(owner))
         await mine.forget_memory()
         presets_for(settings.data_dir, owner).path.unlink(missing_ok=True)
-        for name in (INDEX_FILE, SYNCED_INDEX_FILE):
-            await _forget_in_index(settings.index_dir / name, owner, conv_ids)
+        # The server's own index, and each WORKERS process's (SEARCH_INDEX_DIR/worker-N).
+        for directory in (settings.index_dir, *sorted(settings.index_dir.glob("worker-*"))):
+            for name in (INDEX_FILE, SYNCED_INDEX_FILE):
+                await _forget_in_index(directory / name, owner, conv_ids)
     finally:
         attachments.close()
         await store.close()
