@@ -26,6 +26,9 @@ TTFB beside the file store's), 200 streams spread over both, and Stop asked of o
 turn runs on the other. Without redis-server those keys are empty and `redis_error` says why.
 `bench/s3_bench.py` moves a 20 MiB file up to and down from a server with BLOB_STORE=s3 on a
 SeaweedFS of its own (the `s3_*` keys: time and the server's peak memory, `files_*` beside them).
+Then one STORE=redis server with WORKERS=1 and then one with WORKERS=2 (`make run`'s way, in
+turn): the turn starts per second each sustains with p99 added time to first token under 100 ms,
+and their ratio (`phase_workers`).
 
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
@@ -126,6 +129,20 @@ def tree_rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its living descendants (a server's WORKERS, LiteLLM's forks)."""
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        total += process_cpu_seconds(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return total
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a running process has used (all its threads)."""
     try:
@@ -171,7 +188,7 @@ class Service:
         return tree_rss_mb(self.proc.pid)
 
     def cpu_seconds(self) -> float:
-        return process_cpu_seconds(self.proc.pid)
+        return tree_cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -294,7 +311,7 @@ def own_busy_seconds() -> float:
     services and simulator still running."""
     t = os.times()
     total = t.user + t.system + t.children_user + t.children_system
-    return total + sum(process_cpu_seconds(pid) for pid in OWN_PIDS)
+    return total + sum(tree_cpu_seconds(pid) for pid in OWN_PIDS)
 
 
 class Quiet:
@@ -647,6 +664,150 @@ def phase_redis(gw: Gateway, overhead: dict, tags: Tags, work: Path, log) -> dic
             svc.stop()  # by its own pid, Redis last
 
 
+# --- WORKERS=2 beside WORKERS=1 ------------------------------------------------------------------
+
+WORKERS_REPLY = {"words": 10, "delay": 0.05}  # half a second of reply: the phase measures turn starts
+WORKERS_STEP_SECONDS = 6.0  # each rate of turn starts is held this long (starts evenly spaced)
+WORKERS_FIRST_RATE = 20.0  # turn starts per second tried first; then ×1.5 until one misses
+WORKERS_MAX_RATE = 400.0
+WORKERS_BISECTIONS = 2  # between the last rate met and the first missed
+WORKERS_P99_LIMIT_MS = 100.0  # p99 added time to first token a rate must stay under
+# Other people's builds and tests on the shared cores decide this phase's figures more than anything: it
+# waits longer for quiet (per step, and in all) than the other phases do.
+WORKERS_QUIET_PER_STEP = 30.0
+WORKERS_QUIET_BUDGET = 600.0
+WORKERS_KEYS = ("workers_turn_rate_1", "workers_turn_rate_2", "workers_turn_rate_ratio",
+                "workers_ttfb_added_p99_ms_1", "workers_ttfb_added_p99_ms_2", "workers_cpu_ms_per_turn_1",
+                "workers_cpu_ms_per_turn_2")
+
+
+def wait_for_workers(server: Service, workers: int, timeout: float = 60) -> None:
+    """Until /healthz over fresh connections has been answered by every one of the server's workers."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: only workers {sorted(seen)} of {workers} answered: {server.tail()}")
+        try:
+            seen.add(httpx.get(server.url + "/healthz", timeout=2).json()["worker"])
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
+class RateSearch:
+    """The highest rate of turn starts one server sustains: ×1.5 from WORKERS_FIRST_RATE until a rate
+    misses, then WORKERS_BISECTIONS bisections between the last rate met and the first missed."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = WORKERS_FIRST_RATE  # the next rate to try; None when done
+        self.best: float | None = None
+        self.best_added: float | None = None
+        self.missed: float | None = None
+        self.bisections = 0
+
+    def record(self, met: bool, added: float | None) -> None:
+        rate = self.rate
+        assert rate is not None
+        if met:
+            self.best, self.best_added = rate, added
+        else:
+            self.missed = rate
+        if self.missed is None:
+            grown = round(rate * 1.5, 1)
+            self.rate = grown if grown <= WORKERS_MAX_RATE else None
+        elif self.best is None or self.bisections >= WORKERS_BISECTIONS:
+            self.rate = None
+        else:
+            self.bisections += 1
+            self.rate = round((self.best + self.missed) / 2, 1)
+
+
+def phase_workers(gw: Gateway, tags: Tags, work: Path, log) -> dict:
+    """Turn starts per second a STORE=redis server sustains with WORKERS=1 and with WORKERS=2.
+
+    At each rate, `rate × WORKERS_STEP_SECONDS` turns (each on a conversation of its own, one
+    connection each) start evenly spaced; the rate is met when every turn completes and the p99
+    time to first token exceeds the simulator's own (direct, at the same rate) by under
+    WORKERS_P99_LIMIT_MS. Each server's rate is searched as `RateSearch` says. Both servers
+    (started as `make run` starts them, on one Redis, a database each) stay up and are loaded in
+    turn, one step each, so other load on the shared machine falls on both alike; a missed rate
+    is tried once more before it counts, for the same reason. The simulator, Redis and the load
+    generator share the machine's cores with the server measured.
+    """
+    if not Path(REDIS_SERVER).exists():
+        log("  redis-server is not installed (apt-get install redis-server): the WORKERS figures are skipped")
+        return {**dict.fromkeys(WORKERS_KEYS), "workers_error": "redis-server is not installed"}
+    direct_port = int(gw.base_url.rsplit(":", 1)[1])
+    direct_p99: dict[float, float | None] = {}  # rate -> the simulator's own p99 TTFB, measured once per rate
+    out: dict = {}
+    started: list[Service] = []
+    quiet = (Quiet.per_call, Quiet.budget)
+    Quiet.per_call, Quiet.budget = WORKERS_QUIET_PER_STEP, Quiet.waited + WORKERS_QUIET_BUDGET
+    try:
+        redis = start_redis(work / "redis-workers", work)
+        started.append(redis)
+        servers: dict[int, Service] = {}
+        for database, workers in enumerate((1, 2)):
+            settings = {"STORE": "redis", "REDIS_URL": f"redis://{HOST}:{redis.port}/{database}",
+                        "WORKERS": str(workers)}
+            servers[workers] = start_server(gw, work / f"data-workers-{workers}", work,
+                                            name=f"server-workers-{workers}", settings=settings)
+            started.append(servers[workers])
+            wait_for_workers(servers[workers], workers)
+        convs: dict[int, list[str]] = {workers: [] for workers in servers}
+        cpu_ms: dict[int, list[float | None]] = {workers: [] for workers in servers}  # per step: server CPU per turn
+
+        def step(workers: int, rate: float) -> tuple[bool, float | None]:
+            server, n = servers[workers], int(round(rate * WORKERS_STEP_SECONDS))
+            if len(convs[workers]) < n:
+                convs[workers].extend(create_conversations(server, n - len(convs[workers])))
+            if rate not in direct_p99:
+                gw.script(WORKERS_REPLY, n + 20)
+                spec = load_spec(direct_port, "chat", [[chat_request(tags())] for _ in range(n)],
+                                 spread=WORKERS_STEP_SECONDS, phase_timeout=120, request_timeout=60)
+                direct_p99[rate] = summarize(run_load(spec, None, work).records)["ttfb"][99]
+            gw.script(WORKERS_REPLY, n + 20)
+            spec = load_spec(server.port, "turn", [[turn_request(c, tags())] for c in convs[workers][:n]],
+                             spread=WORKERS_STEP_SECONDS, phase_timeout=120, request_timeout=60)
+            load = run_load(spec, server, work)
+            summary = summarize(load.records)
+            cpu_ms[workers].append(load.cpu_seconds * 1000 / n if load.cpu_seconds is not None else None)
+            ours, base = summary["ttfb"][99], direct_p99[rate]
+            added = ours - base if None not in (ours, base) else None
+            met = summary["completed"] == n and added is not None and added * 1000 < WORKERS_P99_LIMIT_MS
+            log(f"  WORKERS={workers} at {rate:5.1f} turn starts/s: {summary['completed']}/{n} completed, "
+                f"p99 ttfb added {ms(added)} ms, server cpu {fmt(cpu_ms[workers][-1])} ms/turn, "
+                f"other load {load.other_cpu:.0%}: {'met' if met else 'missed'}"
+                + (f", errors {summary['errors']}" if summary["errors"] else ""))
+            return met, added
+
+        searches = {workers: RateSearch() for workers in servers}
+        while any(search.rate is not None for search in searches.values()):
+            for workers, search in searches.items():
+                if search.rate is None:
+                    continue
+                met, added = step(workers, search.rate)
+                if not met:
+                    met, added = step(workers, search.rate)  # once more: a miss may be another process's doing
+                search.record(met, added)
+        for workers, search in searches.items():
+            out[f"workers_turn_rate_{workers}"] = search.best
+            out[f"workers_ttfb_added_p99_ms_{workers}"] = ms(search.best_added)
+            measured = [v for v in cpu_ms[workers] if v is not None]
+            out[f"workers_cpu_ms_per_turn_{workers}"] = round(statistics.median(measured), 2) if measured else None
+            log(f"  WORKERS={workers}: sustains {search.best} turn starts/s (p99 ttfb added {ms(search.best_added)} ms, "
+                f"median server cpu {fmt(out[f'workers_cpu_ms_per_turn_{workers}'])} ms/turn)"
+                + (f"; {search.missed} missed" if search.missed is not None else ""))
+        one, two = out.get("workers_turn_rate_1"), out.get("workers_turn_rate_2")
+        out["workers_turn_rate_ratio"] = round(two / one, 2) if one and two else None
+        log(f"  WORKERS=2 over WORKERS=1: {out['workers_turn_rate_ratio']}x")
+        return out
+    finally:
+        Quiet.per_call, Quiet.budget = quiet[0], max(quiet[1], Quiet.waited)
+        for svc in reversed(started):
+            svc.stop()
+
+
 WORDS = ("the of and to in is that for it as with was on be by this are from or at an not have but which we "
          "can you they all their has more one will if about would there use when so what some out up into them "
          "than other only new time these could may most also any then first like over such our very python "
@@ -918,6 +1079,8 @@ def verdict(results: dict) -> list[str]:
          results.get("redis_two_process_completed"), lambda v: v == results.get("redis_two_process_requested")),
         ("STORE=redis: p99 POST stop on B → A's upstream close < 100 ms", results.get("cross_process_stop_p99_ms"),
          lambda v: v < 100.0),
+        (f"WORKERS=2: turn starts/s sustained (p99 added TTFB < {WORKERS_P99_LIMIT_MS:.0f} ms) ≥ 1.6× WORKERS=1's",
+         results.get("workers_turn_rate_ratio"), lambda v: v >= 1.6),
     ]
     for label, value, test in checks:
         state = "n/a" if value is None or test is None else ("met" if test(value) else "**MISSED**")
@@ -1180,8 +1343,8 @@ def main() -> None:
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "cache", "search", "tools",
-                                 "attachments", "s3"],
+                        choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
+                                 "tools", "attachments", "s3"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1304,6 +1467,8 @@ def main() -> None:
         results.update(flatten(overhead, sustain, stops, history, rss_idle))
         results.update(attempt("redis", "two STORE=redis servers on one Redis",
                                lambda: phase_redis(gw, overhead, tags, work, log)) or {})
+        results.update(attempt("workers", "WORKERS=2 beside WORKERS=1 (STORE=redis): turn starts per second sustained",
+                               lambda: phase_workers(gw, tags, work, log)) or {})
         if litellm_error:
             # Unmeasured, not zero: the keys are there, empty, and `litellm_error` says why.
             for level in OVERHEAD_LEVELS:

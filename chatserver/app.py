@@ -37,7 +37,7 @@ from chatserver.attachments.meta import AttachmentMeta, FileMeta
 from chatserver.attachments.store import Attachments, Limits
 from chatserver.config import Settings, get_settings
 from chatserver.conversations import pii
-from chatserver.search.follow import open_search
+from chatserver.search.follow import StillBuilding, open_search
 from chatserver.store.files import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from chatserver.store.person_events import PersonEvents, RedisPersonEvents
 from chatserver.turns import context
@@ -143,7 +143,8 @@ async def expire_untouched(files: FileStore, days: float, first_pass: asyncio.Fu
         await asyncio.sleep(EXPIRY_INTERVAL)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
+    """The app; `worker` is its number among WORKERS processes (1 when it is the only one)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         active = settings or get_settings()
@@ -210,6 +211,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # No /docs or /redoc: their viewers load scripts from a CDN and run inline ones, which the page's
     # Content-Security-Policy (sent with every answer) refuses. /openapi.json stays.
     app = FastAPI(title="Chat server", version="1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.worker = worker
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
@@ -273,6 +275,11 @@ def install_error_answers(app: FastAPI) -> None:
         # Reached from routes other than the attachment routes (a conversation's deletion with S3 away).
         return detail(exc.status, str(exc))
 
+    @app.exception_handler(StillBuilding)
+    async def still_building(_: Request, exc: StillBuilding) -> JSONResponse:
+        return JSONResponse({"detail": f"{exc}; this server builds it from the store at start. Try again shortly."},
+                            status_code=503, headers={"Retry-After": "2"})
+
     @app.exception_handler(LockLost)
     async def lock_lost(_: Request, exc: LockLost) -> JSONResponse:
         return detail(409, "another turn took this conversation over")
@@ -317,9 +324,16 @@ def main() -> None:
         settings = get_settings()
     except ValidationError as exc:
         sys.exit("configuration error:\n" + "\n".join(f"  {e['msg']}" for e in exc.errors()))
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from chatserver import workers
+
+    if problem := workers.workers_problem(settings):
+        sys.exit("configuration error:\n  " + problem)
+    log_format = "%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
-    serving.raise_open_file_limit()
+    serving.raise_open_file_limit()  # before any worker is forked: each inherits it
+    if settings.workers > 1:
+        sys.exit(workers.serve(settings, log_format))
     app = create_app(settings)
     settle_garbage_collector()
     uvicorn.run(app, **serving.uvicorn_options(settings))

@@ -104,6 +104,8 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # Server processes accepting on one port (`python server.py`, `make run`); above 1 needs STORE=redis.
+    workers: int = Field(1, ge=1, le=256)
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     access_token: str | None = Field(default=None, repr=False)
     max_request_bytes: int = Field(2_097_152, gt=0)

@@ -26,6 +26,8 @@ from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS
 from chatserver.accounts.store import AccountStore, BadAccount
 from chatserver.api.exchange import INDEX_FILE, SYNCED_INDEX_FILE
 from chatserver.attachments.blobs import BlobsUnavailable
+from chatserver.attachments.store import INDEX_FILE as PASSAGES_FILE
+from chatserver.attachments.store import SearchIndex as PassageIndex
 from chatserver.attachments.store import conversation_scope, library_scope
 from chatserver.config import Settings, get_settings
 from chatserver.search.index import SearchIndex
@@ -137,8 +139,17 @@ async def remove_data(settings: Settings, owner: str) -> int:
         await attachments.delete_scope(library_scope(owner))
         await mine.forget_memory()
         await mine.forget_presets()
-        for name in (INDEX_FILE, SYNCED_INDEX_FILE):
-            await _forget_in_index(settings.index_dir / name, owner, conv_ids)
+        # The server's own indexes, and each WORKERS process's (SEARCH_INDEX_DIR/worker-N); the
+        # attachments' passages in the server's own went with delete_scope above.
+        scopes = [conversation_scope(conv_id) for conv_id in conv_ids] + [library_scope(owner)]
+        for directory in (settings.index_dir, *sorted(settings.index_dir.glob("worker-*"))):
+            for name in (INDEX_FILE, SYNCED_INDEX_FILE):
+                await _forget_in_index(directory / name, owner, conv_ids)
+            if directory != settings.index_dir and (directory / PASSAGES_FILE).exists():
+                passages = PassageIndex(directory / PASSAGES_FILE)
+                for scope in scopes:
+                    await asyncio.to_thread(passages.remove, scope)
+                passages.close()
     finally:
         await attachments.close()
         await store.close()

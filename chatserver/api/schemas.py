@@ -166,6 +166,12 @@ class Health(TypedDict):
     gateway_configured: bool
     gateway: Literal["demo", "configured"]
     gateway_reachable: bool | None
+    # The search index: built from the store at start ("building"), then following it ("ready").
+    search: Literal["building", "ready", "failed"]
+    # Which of WORKERS processes answered (1 of 1 for a single process), and its process id.
+    worker: int
+    workers: int
+    pid: int
 
 
 class MemoryText(TypedDict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -35,11 +37,12 @@ async def page() -> Response:
 
 
 @router.get("/healthz", response_model=Health)
-async def healthz(state: StateDep) -> dict:
+async def healthz(state: StateDep, request: Request) -> dict:
     configured = state.settings.gateway_configured
     reachable = await gateway_reachable(state.settings.gateway_base_url, state.turns.gateway.client)
     return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo",
-            "gateway_reachable": reachable}
+            "gateway_reachable": reachable, "search": request.app.state.search.state,
+            "worker": request.app.state.worker, "workers": state.settings.workers, "pid": os.getpid()}
 
 
 @router.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})

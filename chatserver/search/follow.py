@@ -2,7 +2,11 @@
 (in the background, so a server that ran without it, or crashed before its last index write,
 still finds everything), then kept in step by the store's `changes()` feed, on the file store and
 on Redis alike: a change made by any process reaches every process's index within about a second.
-Nothing is re-indexed on a search's path."""
+Nothing is re-indexed on a search's path.
+
+While the start-up catch-up runs, `state` is "building" (/healthz says so) and a search waits for
+it at most BUILD_WAIT seconds, then is refused with `StillBuilding` (503, try again shortly)
+rather than answering from a partial index as if it were whole."""
 
 from __future__ import annotations
 
@@ -17,6 +21,17 @@ from chatserver.store.files import NotFound, OwnerStore, Store, StoreChange
 
 log = logging.getLogger("chat.search")
 
+# How long a search waits for the start-up catch-up before it is refused as still building.
+BUILD_WAIT = 5.0
+
+
+class StillBuilding(Exception):
+    """The index is still being built from the store; `read` conversations read so far."""
+
+    def __init__(self, read: int) -> None:
+        super().__init__(f"the search index is still being built ({read} conversations read so far)")
+        self.read = read
+
 
 class FollowedSearch:
     def __init__(self, store: Store, index: SearchIndex) -> None:
@@ -24,15 +39,29 @@ class FollowedSearch:
         self.follower = IndexFollower(index)
         self.ready: asyncio.Task | None = None
         self._following: asyncio.Task | None = None
+        self.read = 0  # conversations the catch-up has read so far
+
+    @property
+    def state(self) -> str:
+        """The start-up catch-up: "building" while it runs, "ready" once done, "failed" if it broke."""
+        if self.ready is None or not self.ready.done():
+            return "building"
+        if self.ready.cancelled() or self.ready.exception() is not None:
+            return "failed"
+        return "ready"
 
     async def start(self) -> None:
         await self.index.open()
         feed = await self.store.changes()  # subscribed first: what changes during the catch-up is told after it
         self.ready = ready = asyncio.create_task(self._catch_up())
+        ready.add_done_callback(_log_failure)
         self._following = asyncio.create_task(self._follow(feed, ready))
 
     async def _catch_up(self) -> None:
-        convs = [conv async for conv in self.store.every_conversation()]
+        convs = []
+        async for conv in self.store.every_conversation():
+            convs.append(conv)
+            self.read += 1
         pairs = [(conv["owner"], conv) for conv in convs]
         await (self.index.reconcile(pairs) if await self.index.is_built() else self.index.rebuild(pairs))
         self.follower.seen_all(convs)
@@ -61,8 +90,12 @@ class FollowedSearch:
         self.follower.changed(change.owner, conv)
 
     async def search(self, store: OwnerStore, q: str, limit: int) -> list[dict]:
+        if self.ready is not None and not self.ready.done():  # the start-up catch-up, waited for a while
+            await asyncio.wait([self.ready], timeout=BUILD_WAIT)
+            if not self.ready.done():
+                raise StillBuilding(self.read)
         if self.ready is not None:
-            await asyncio.shield(self.ready)  # the start-up catch-up
+            self.ready.result()  # a catch-up that broke says so on every search (the log has its traceback)
         return await self.index.search(store.owner, q, limit)
 
     async def close(self) -> None:
@@ -70,6 +103,11 @@ class FollowedSearch:
             if task is not None:
                 task.cancel()
         await self.index.close()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("building the search index from the store failed: %r", exc, exc_info=exc)
 
 
 async def open_search(store: Store, path: Path) -> FollowedSearch:
