@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import httpx
@@ -60,6 +61,9 @@ def settings(tmp_path, sim) -> Settings:
 async def app(settings):
     application = create_app(settings)
     async with application.router.lifespan_context(application):
+        # Started as a server that has settled: its search index built, so a test that snapshots
+        # DATA_DIR never sees the start-up build's writes land after its snapshot.
+        await asyncio.wait_for(asyncio.shield(application.state.search.ready), 30)
         yield application
 
 
