@@ -52,7 +52,7 @@ def workers_problem(settings: Settings) -> str | None:
     if settings.workers > 1 and settings.store != "redis":
         return (f"WORKERS={settings.workers} needs STORE=redis: with STORE=files one process owns the "
                 "conversation files under DATA_DIR, and a second one would overwrite its changes. "
-                "Set STORE=redis and REDIS_URL (README: Several servers, one store), or WORKERS=1.")
+                "Set STORE=redis and REDIS_URL (README: Several servers, several machines), or WORKERS=1.")
     return None
 
 
