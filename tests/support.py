@@ -108,7 +108,9 @@ class LiveServer:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 20
+        # A bound, not an estimate: a server with S3 and Redis to reach starts in about 2 s, but a
+        # shared 2-core machine under a whole test run has taken over 20.
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log_path.read_text()}")
@@ -117,7 +119,7 @@ class LiveServer:
                     return
             except httpx.HTTPError:
                 time.sleep(0.1)
-        raise RuntimeError("server did not start")
+        raise RuntimeError(f"server did not start within 60 s: {self.log()[-3000:]}")
 
     def log(self) -> str:
         if not self._log.closed:
