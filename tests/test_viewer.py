@@ -177,3 +177,33 @@ async def test_another_persons_pages_and_passages_answer_exactly_like_unknown_on
         assert (a.status_code, a.text) == (b.status_code, b.text) and a.status_code == 404, theirs
     assert srv.app.state.chat.attachments.page_images.renders == 0
     assert (await alice.get(f"/api/library/{kept['id']}/pages/2.png")).status_code == 200
+
+
+async def test_a_page_needing_more_than_the_limits_is_422_and_nothing_is_cached(api, client, app):
+    """The child drawing a page lives under EXTRACT_MAX_MB and EXTRACT_TIMEOUT, as a file's reader does."""
+    conv = await api.new()
+    report = (await upload(client, conv["id"], "report.pdf", make_pdf(TOPICS))).json()
+    extractor = store(app).extractor
+    url = f"/api/conversations/{conv['id']}/attachments/{report['id']}/pages/1.png"
+
+    extractor.max_mb = 30  # too little for pdfium to even start
+    starved = await client.get(url)
+    assert starved.status_code == 422 and "EXTRACT_MAX_MB" in starved.json()["detail"]
+    extractor.max_mb, extractor.timeout = 512, 0.001
+    slow = await client.get(url)
+    assert slow.status_code == 422 and "EXTRACT_TIMEOUT" in slow.json()["detail"]
+    assert not cache_file(app, conv["id"], report["id"], 1).exists()
+    extractor.timeout = 30
+    assert (await client.get(url)).status_code == 200
+
+
+async def test_the_browser_asks_again_and_an_unchanged_page_is_a_304(api, client, app):
+    conv = await api.new()
+    report = (await upload(client, conv["id"], "report.pdf", make_pdf(TOPICS[:2]))).json()
+    url = f"/api/conversations/{conv['id']}/attachments/{report['id']}/pages/2.png"
+    first = await client.get(url)
+    assert first.headers["cache-control"] == "private, no-cache" and first.headers["etag"]
+
+    again = await client.get(url, headers={"if-none-match": first.headers["etag"]})
+
+    assert again.status_code == 304 and again.content == b"" and store(app).page_images.renders == 1

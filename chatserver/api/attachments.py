@@ -356,7 +356,7 @@ async def _passages(attachments: Attachments, scope: Scope, attachment_id: str, 
                        pages=meta.get("pages"), passages=[PassageOut(**p) for p in found])
 
 
-async def _page_image(attachments: Attachments, scope: Scope, attachment_id: str, page: str,
+async def _page_image(request: Request, attachments: Attachments, scope: Scope, attachment_id: str, page: str,
                       person: str) -> Response:
     try:
         meta = await attachments.get(scope, attachment_id)
@@ -366,10 +366,14 @@ async def _page_image(attachments: Attachments, scope: Scope, attachment_id: str
     except AttachmentError as exc:
         raise _fail(exc) from None
     # no-cache: the browser keeps it but asks again (a 304 through the owner check) before showing it.
-    return FileResponse(path, media_type="image/png", headers={
+    # An attachment id is never reused and its original never changes, so the ids name the image.
+    headers = {
         "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
-        "Content-Security-Policy": "default-src 'none'; sandbox",
-    })
+        "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": f'"{meta["id"]}-{page}"',
+    }
+    if headers["ETag"] in request.headers.get("if-none-match", ""):
+        return Response(status_code=304, headers=headers)
+    return FileResponse(path, media_type="image/png", headers=headers)
 
 
 Label = Annotated[str | None, Query(max_length=300, description="only the passages cited with this label")]
@@ -387,10 +391,10 @@ async def conversation_attachment_passages(conv_id: ConversationDep, attachment_
 
 @router.get("/api/conversations/{conv_id}/attachments/{attachment_id}/pages/{page}.png",
             responses=PAGE_ERRORS, response_class=FileResponse)
-async def conversation_attachment_page(conv_id: ConversationDep, attachment_id: str, page: str,
+async def conversation_attachment_page(conv_id: ConversationDep, attachment_id: str, page: str, request: Request,
                                        attachments: AttachmentsDep, owner: OwnerDep) -> Response:
     """Page `page` (from 1) of a PDF as a PNG at most 1000 pixels wide."""
-    return await _page_image(attachments, _conversation(conv_id), attachment_id, page, owner)
+    return await _page_image(request, attachments, _conversation(conv_id), attachment_id, page, owner)
 
 
 @router.get("/api/library/{attachment_id}/passages", responses=ERRORS)
@@ -401,6 +405,6 @@ async def library_attachment_passages(attachment_id: str, attachments: Attachmen
 
 
 @router.get("/api/library/{attachment_id}/pages/{page}.png", responses=PAGE_ERRORS, response_class=FileResponse)
-async def library_attachment_page(attachment_id: str, page: str, attachments: AttachmentsDep,
+async def library_attachment_page(attachment_id: str, page: str, request: Request, attachments: AttachmentsDep,
                                   owner: OwnerDep) -> Response:
-    return await _page_image(attachments, library_scope(owner), attachment_id, page, owner)
+    return await _page_image(request, attachments, library_scope(owner), attachment_id, page, owner)
