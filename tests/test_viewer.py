@@ -4,13 +4,21 @@ server's disk, behind the same owner check as every attachment route."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 
 import pytest
 from PIL import Image
 
 from chatserver.attachments import viewer
-from chatserver.attachments.store import attachment_context, read_attachment, search_attachments
+from chatserver.attachments.blobs import Blob, FileBlobs
+from chatserver.attachments.store import (
+    Attachments,
+    attachment_context,
+    conversation_scope,
+    read_attachment,
+    search_attachments,
+)
 from chatserver.config import Settings
 from chatserver.turns.events import _cite
 from test_attachments import TOPICS, make_docx, make_pdf, store, upload
@@ -207,3 +215,39 @@ async def test_the_browser_asks_again_and_an_unchanged_page_is_a_304(api, client
     again = await client.get(url, headers={"if-none-match": first.headers["etag"]})
 
     assert again.status_code == 304 and again.content == b"" and store(app).page_images.renders == 1
+
+
+class StreamedBlobs(FileBlobs):
+    """Originals handed out as chunks with no local path, as S3 hands them."""
+
+    async def open(self, scope_key: str, attachment_id: str) -> Blob:
+        blob = await super().open(scope_key, attachment_id)
+        return Blob(blob.size, blob.chunks, None)
+
+
+async def test_an_original_from_a_remote_blob_store_is_spooled_for_the_child_then_removed(tmp_path):
+    root = tmp_path / "attachments"
+    attachments = Attachments(root, tmp_path / "index", blobs=StreamedBlobs(root))
+    await attachments.start()
+    scope = conversation_scope("conversation-1")
+    upload_path = tmp_path / "report.pdf"
+    upload_path.write_bytes(make_pdf(TOPICS[:3]))
+    meta = await attachments.ingest(scope, "report.pdf", upload_path, "local")
+    try:
+        stored = await attachments.get(scope, meta["id"])
+        path = await attachments.page_images.image(attachments, scope, stored, 3, "local")
+        assert Image.open(path).width == 1000
+        assert list(attachments.incoming.glob("render-*")) == [], "the spooled copy is gone"
+    finally:
+        await attachments.close()
+
+
+async def test_the_same_page_asked_twice_at_once_is_drawn_once(api, client, app):
+    conv = await api.new()
+    report = (await upload(client, conv["id"], "report.pdf", make_pdf(TOPICS[:2]))).json()
+    url = f"/api/conversations/{conv['id']}/attachments/{report['id']}/pages/1.png"
+
+    first, second = await asyncio.gather(client.get(url), client.get(url))
+
+    assert first.status_code == second.status_code == 200 and first.content == second.content
+    assert store(app).page_images.renders == 1
