@@ -16,7 +16,7 @@ import { loadList, showArchived, showingArchived, wireList } from "./list.js";
 import { listen } from "./live.js";
 import { $, closeSidebar, openSidebar, showError, sidebarOpen, toast } from "./page.js";
 import { SearchBox } from "./search.js";
-import { store } from "./store.js";
+import { store, subscribe } from "./store.js";
 import { wireTranscript } from "./transcript.js";
 import { onTurn, stop } from "./turn.js";
 import { Viewer } from "./viewer.js";
@@ -132,6 +132,10 @@ function wire() {
     const chip = e.target.closest?.(".citation-file");
     const citation = chip && citationOf(chip);
     if (citation) viewer.open(citation, store.conv?.id, chip).catch(showError);
+  });
+  // A passage belongs to the conversation it was opened from: another one opened closes it.
+  subscribe((change) => {
+    if (change.type === "open" && change.previous !== (store.conv?.id ?? null)) viewer.close();
   });
   $("new-conversation").addEventListener("click", () => newConversation().catch(showError));
   $("login-form").addEventListener("submit", logIn);

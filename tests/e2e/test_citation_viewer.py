@@ -11,7 +11,7 @@ import docx
 from playwright.sync_api import expect
 
 from gateway_sim.simulator import Script, steps
-from pagekit import assistant_messages, conversation_id, send
+from pagekit import assistant_messages, conversation_id, new_conversation, send
 from test_attachment_flow import report_pdf
 from test_everyday import drop_file
 
@@ -96,4 +96,11 @@ def test_a_docx_chip_shows_its_section_label_and_covers_a_phone_screen(page, ser
     assert box is not None and (box["x"], box["width"]) == (0, 390), box
 
     viewer.get_by_test_id("viewer-close").click()
+    expect(viewer).to_be_hidden()
+
+    # A passage belongs to its conversation: opening another one closes the viewer.
+    page.set_viewport_size({"width": 1280, "height": 860})
+    chip.click()
+    expect(viewer).to_be_visible()
+    new_conversation(page)
     expect(viewer).to_be_hidden()
