@@ -51,7 +51,8 @@ async def test_the_answer_on_page_7_is_found_and_cited_and_the_citation_is_kept(
     assert "fourteen months" not in str(first.body["messages"])
     result = next(m for m in second.body["messages"] if m["role"] == "tool")["content"]
     assert result.startswith("[1] report.pdf p. 7") and "fourteen months" in result
-    citation = {"attachment_id": pdf_id, "name": "report.pdf", "page": 7, "label": "p. 7"}
+    citation = {"attachment_id": pdf_id, "name": "report.pdf", "page": 7, "label": "p. 7", "source": "conversation",
+                "query": "warranty blue centrifuge"}
     assert citation in events[-1][1]["citations"]
 
     stored = await api.get(conv["id"])

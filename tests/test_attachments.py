@@ -178,10 +178,12 @@ async def test_search_finds_the_answer_on_page_7_and_reads_it(api, client, app):
     assert (top["attachment_id"], top["name"], top["page"], top["source"]) == \
         (report["id"], "report.pdf", 7, "conversation")
     assert "fourteen months" in top["text"]
-    assert result.citations[0] == {"attachment_id": report["id"], "name": "report.pdf", "page": 7, "label": "p. 7"}
+    assert result.citations[0] == {"attachment_id": report["id"], "name": "report.pdf", "page": 7, "label": "p. 7",
+                                   "source": "conversation", "query": "How long does the centrifuge warranty last?"}
     assert "report.pdf p. 7" in result.text
     assert "fourteen months" in read.text and "cafeteria" not in read.text
-    assert read.citations == [{"attachment_id": report["id"], "name": "report.pdf", "page": 7, "label": "p. 7"}]
+    assert read.citations == [{"attachment_id": report["id"], "name": "report.pdf", "page": 7, "label": "p. 7",
+                               "source": "conversation"}]
 
 
 @pytest.mark.skipif(not CJK_FONT.exists(), reason="needs fonts-noto-cjk for a CJK PDF")

@@ -6,6 +6,10 @@ memory and an oversized one is refused as soon as it passes the limit. Downloads
 `attachment` with `nosniff`: an uploaded page must never render on this origin; from S3 they are
 streamed as they arrive.
 
+Behind a citation chip (issue 24): `.../passages` answers a file's passages as the model was given
+them, and `.../pages/{n}.png` a PDF page drawn in the limited child (`viewer.py`), cached on this
+server's disk.
+
 Every route passes the one owner check (`deps.OwnerStoreDep`): a conversation's files are
 reached only through a conversation its owner can see, and the library is the owner's own.
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Awaitable
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -26,6 +32,7 @@ from chatserver.api.deps import OwnerDep, OwnerStoreDep
 from chatserver.api.quota import check_files
 from chatserver.attachments.store import (
     AttachmentError,
+    AttachmentNotFound,
     Attachments,
     Scope,
     TooLarge,
@@ -34,6 +41,7 @@ from chatserver.attachments.store import (
     library_scope,
     public,
 )
+from chatserver.attachments.viewer import marks, passages
 from chatserver.store.files import NotFound, OwnerStore
 
 router = APIRouter(tags=["attachments"])
@@ -305,3 +313,98 @@ async def download_library_attachment(attachment_id: str, attachments: Attachmen
 async def delete_library_attachment(attachment_id: str, attachments: AttachmentsDep,
                                     owner: OwnerDep) -> Response:
     return await _delete(attachments, library_scope(owner), attachment_id)
+
+
+# -- behind a citation chip ----------------------------------------------------------------------
+
+PAGE_ERRORS = {
+    404: {"description": "no such conversation, attachment or page; or the file is not a PDF"},
+    422: {"description": "the page could not be drawn within EXTRACT_MAX_MB and EXTRACT_TIMEOUT"},
+    429: {"description": "EXTRACT_QUEUE files or pages are already waiting"},
+}
+_PAGE_NUMBER = re.compile(r"[1-9][0-9]{0,6}")
+
+
+class PassageOut(BaseModel):
+    page: int
+    label: str
+    part: int
+    text: str
+    marks: list[list[int]] | None = None
+
+
+class PassagesOut(BaseModel):
+    attachment_id: str
+    name: str
+    media_type: str
+    pages: int | None
+    passages: list[PassageOut]
+
+
+async def _passages(attachments: Attachments, scope: Scope, attachment_id: str, label: str | None,
+                    page: int | None, q: str | None) -> PassagesOut:
+    try:
+        meta = await attachments.get(scope, attachment_id)
+        pages = await attachments.pages(scope, attachment_id)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    found = passages(meta, pages, label, page)
+    if q:
+        for p in found:
+            p["marks"] = marks(p["text"], q)
+    return PassagesOut(attachment_id=meta["id"], name=meta["name"], media_type=meta["media_type"],
+                       pages=meta.get("pages"), passages=[PassageOut(**p) for p in found])
+
+
+async def _page_image(request: Request, attachments: Attachments, scope: Scope, attachment_id: str, page: str,
+                      person: str) -> Response:
+    try:
+        meta = await attachments.get(scope, attachment_id)
+        if not _PAGE_NUMBER.fullmatch(page):
+            raise AttachmentNotFound("no such page")
+        path = await attachments.page_images.image(attachments, scope, meta, int(page), person)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    # no-cache: the browser keeps it but asks again (a 304 through the owner check) before showing it.
+    # An attachment id is never reused and its original never changes, so the ids name the image.
+    headers = {
+        "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
+        "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": f'"{meta["id"]}-{page}"',
+    }
+    if headers["ETag"] in request.headers.get("if-none-match", ""):
+        return Response(status_code=304, headers=headers)
+    return FileResponse(path, media_type="image/png", headers=headers)
+
+
+Label = Annotated[str | None, Query(max_length=300, description="only the passages cited with this label")]
+PageNumber = Annotated[int | None, Query(ge=1, description="only the passages of this page or section")]
+Words = Annotated[str | None, Query(max_length=1000, description="words to mark in each passage")]
+
+
+@router.get("/api/conversations/{conv_id}/attachments/{attachment_id}/passages", responses=ERRORS)
+async def conversation_attachment_passages(conv_id: ConversationDep, attachment_id: str,
+                                           attachments: AttachmentsDep, label: Label = None,
+                                           page: PageNumber = None, q: Words = None) -> PassagesOut:
+    """The file's passages exactly as the model was given them; `marks` when `q` is given."""
+    return await _passages(attachments, _conversation(conv_id), attachment_id, label, page, q)
+
+
+@router.get("/api/conversations/{conv_id}/attachments/{attachment_id}/pages/{page}.png",
+            responses=PAGE_ERRORS, response_class=FileResponse)
+async def conversation_attachment_page(conv_id: ConversationDep, attachment_id: str, page: str, request: Request,
+                                       attachments: AttachmentsDep, owner: OwnerDep) -> Response:
+    """Page `page` (from 1) of a PDF as a PNG at most 1000 pixels wide."""
+    return await _page_image(request, attachments, _conversation(conv_id), attachment_id, page, owner)
+
+
+@router.get("/api/library/{attachment_id}/passages", responses=ERRORS)
+async def library_attachment_passages(attachment_id: str, attachments: AttachmentsDep, owner: OwnerDep,
+                                      label: Label = None, page: PageNumber = None,
+                                      q: Words = None) -> PassagesOut:
+    return await _passages(attachments, library_scope(owner), attachment_id, label, page, q)
+
+
+@router.get("/api/library/{attachment_id}/pages/{page}.png", responses=PAGE_ERRORS, response_class=FileResponse)
+async def library_attachment_page(attachment_id: str, page: str, request: Request, attachments: AttachmentsDep,
+                                  owner: OwnerDep) -> Response:
+    return await _page_image(request, attachments, library_scope(owner), attachment_id, page, owner)

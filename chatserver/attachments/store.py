@@ -122,7 +122,9 @@ class Passage:
     cited_as: str
 
     def citation(self) -> dict:
-        return {"attachment_id": self.attachment_id, "name": self.name, "page": self.page, "label": self.cited_as}
+        # `source` says which route shows it (the conversation's files or the library).
+        return {"attachment_id": self.attachment_id, "name": self.name, "page": self.page, "label": self.cited_as,
+                "source": self.source}
 
 
 @dataclass(slots=True)
@@ -374,6 +376,9 @@ class Attachments:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="attachments")
         self.search_index = SearchIndex(index_dir / INDEX_FILE)
         self._indexing: dict[str, asyncio.Future] = {}
+        from chatserver.attachments.viewer import CACHE_DIR, PageImages  # it builds on this module
+
+        self.page_images = PageImages(index_dir / CACHE_DIR, self.extractor)
 
     async def start(self) -> None:
         """Make the blob store ready (S3: its bucket, created when missing)."""
@@ -499,12 +504,14 @@ class Attachments:
         if not valid_id(attachment_id) or not await self.meta.delete(scope.key, attachment_id):
             raise AttachmentNotFound("attachment not found")
         await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope, attachment_id)
+        await asyncio.to_thread(self.page_images.forget, scope.key, attachment_id)
         await self.blobs.delete(scope.key, attachment_id)
 
     async def delete_scope(self, scope: Scope) -> None:
         """Remove every attachment of a scope (a deleted conversation's files), originals included."""
         await self.meta.delete_scope(scope.key)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.search_index.remove, scope)
+        await asyncio.to_thread(self.page_images.forget, scope.key)
         await self.blobs.delete_scope(scope.key)
 
     async def check_ids(self, scope: Scope, ids: list[str]) -> list[str]:
@@ -644,6 +651,9 @@ async def search_attachments(query: str) -> AttachmentToolResult:
     for p in hits:
         if p.citation() not in citations:
             citations.append(p.citation())
+    # The words searched for, so the viewer can highlight them in the passage (added after the
+    # dedupe: one search cites a page once).
+    citations = [{**c, "query": query} for c in citations]
     names = sorted({p.name for p in hits})
     return AttachmentToolResult(
         "\n\n".join(blocks),
@@ -752,8 +762,8 @@ async def read_attachment(name: str, start_page: int = 1, end_page: int | None =
     span = f"{numbers[0]}" if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
     return AttachmentToolResult(
         text, f"read {meta['name']} {'p.' if meta.get('pages') is not None else '§'} {span}",
-        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "label": cited_as(meta, p)}
-         for p, _ in shown],
+        [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "label": cited_as(meta, p),
+          "source": where.source} for p, _ in shown],
         [{"attachment_id": meta["id"], "name": meta["name"], "page": p["page"], "text": part,
           "source": where.source} for p, part in shown],
     )

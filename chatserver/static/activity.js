@@ -234,7 +234,15 @@ export class ActivityTrail {
   }
 }
 
-/** An attachment page cited: `{attachment_id, name, page}`. */
+/** The citation each file chip stands for, for the viewer its click opens (viewer.js). */
+const chipCitations = new WeakMap();
+
+/** The citation a file chip was drawn from; null for anything else. */
+export function citationOf(chip) {
+  return chipCitations.get(chip) ?? null;
+}
+
+/** An attachment page cited: `{attachment_id, name, page}` (and `label`, `source`, `query` when saved with them). */
 function isAttachmentCitation(c) {
   return typeof c.attachment_id === "string" && typeof c.name === "string" && Number.isInteger(c.page);
 }
@@ -253,8 +261,11 @@ export function renderCitations(citations) {
     if (isAttachmentCitation(c)) {
       // The passage's own label ("p. 3", "lines 40-80", "§ Budget"); replies saved before labels were pages.
       const where = typeof c.label === "string" && c.label ? c.label : `p. ${c.page}`;
-      chip = node("span", "citation citation-file");
-      chip.title = `${c.name}, ${where}`;
+      // A button: it opens the passage in the viewer.
+      chip = node("button", "citation citation-file");
+      chip.type = "button";
+      chip.title = `${c.name}, ${where}: show the passage`;
+      chipCitations.set(chip, c);
       chip.append(node("span", "citation-n", String(i + 1)), node("span", "citation-domain", `${c.name} ${where}`));
     } else {
       chip = link(c.url, "");

@@ -77,6 +77,8 @@ export const api = {
   deleteAttachment: (id, aid) => request("DELETE", attachmentUrl(id, aid)),
   library: () => request("GET", "/api/library"),
   deleteFromLibrary: (aid) => request("DELETE", libraryUrl(aid)),
+  // The passages behind a citation chip: `url` is a file's route + /passages?label=…&q=… (viewer.js).
+  passages: (url) => request("GET", url),
   search: (q, signal) => request("GET", `/api/search?q=${encodeURIComponent(q)}`, undefined, { signal }),
 };
 

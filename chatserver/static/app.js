@@ -3,6 +3,7 @@
 // the transcript, turns, the composer, the header and the failure line. This module wires them
 // and the page-wide keys, import, and the demo banner, and starts the page.
 
+import { citationOf } from "./activity.js";
 import { api, upload } from "./api.js";
 import { startAuth } from "./auth.js";
 import { files, focusComposer, wireComposer } from "./composer.js";
@@ -15,10 +16,13 @@ import { loadList, showArchived, showingArchived, wireList } from "./list.js";
 import { listen } from "./live.js";
 import { $, closeSidebar, openSidebar, showError, sidebarOpen, toast } from "./page.js";
 import { SearchBox } from "./search.js";
-import { store } from "./store.js";
+import { store, subscribe } from "./store.js";
 import { wireTranscript } from "./transcript.js";
 import { onTurn, stop } from "./turn.js";
+import { Viewer } from "./viewer.js";
 import { copyText } from "./views.js";
+
+let viewer = null; // made in wire(): its elements are in the page by then
 
 const search = new SearchBox({ open: (id, messageId) => openAt(id, messageId).catch(showError) });
 
@@ -90,7 +94,8 @@ function onShortcut(e) {
   } else if (e.key === "Escape") {
     // An open dialog takes Esc for itself; otherwise it stops a reply, then closes the sidebar.
     if (document.querySelector("dialog[open]") || e.target.classList?.contains("conv-rename")) return;
-    if ($("conv-menu").open) $("conv-menu").open = false;
+    if (viewer.isOpen) viewer.close();
+    else if ($("conv-menu").open) $("conv-menu").open = false;
     else if (sidebarOpen()) closeSidebar();
     else if (store.turn || store.conv?.streaming) stop().catch(showError);
   } else if (e.key === "?" && !mod && !e.altKey && !typingInField(e.target) && !document.querySelector("dialog[open]")) {
@@ -121,6 +126,17 @@ function wire() {
   wireHeader();
   wireList();
   wireTranscript();
+  viewer = new Viewer();
+  // A file citation chip opens its passage; the chips are redrawn often, so one listener serves them all.
+  $("transcript").addEventListener("click", (e) => {
+    const chip = e.target.closest?.(".citation-file");
+    const citation = chip && citationOf(chip);
+    if (citation) viewer.open(citation, store.conv?.id, chip).catch(showError);
+  });
+  // A passage belongs to the conversation it was opened from: another one opened closes it.
+  subscribe((change) => {
+    if (change.type === "open" && change.previous !== (store.conv?.id ?? null)) viewer.close();
+  });
   $("new-conversation").addEventListener("click", () => newConversation().catch(showError));
   $("login-form").addEventListener("submit", logIn);
   // Without the token nothing works, so the login dialog cannot be dismissed.

@@ -267,8 +267,8 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
             else:
                 step.update(data)
             for citation in citations:
-                if _citable(citation) and citation not in reply.citations:
-                    reply.citations.append(dict(citation))
+                if _citable(citation):
+                    _cite(reply.citations, citation)
         case ToolRound(round=done):
             reply.rounds.append(done)
         case UsageReport(raw=raw):
@@ -278,6 +278,22 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
         case TurnWarning(code=code, message=message):
             reply.warnings.append({"code": code, "message": message})
     return reply
+
+
+QUERY_CHARS = 1000  # the words a chip keeps from the searches that cited it
+
+
+def _cite(citations: list[dict], citation: dict) -> None:
+    """Add `citation` once per place: a page a later search cites again keeps one chip, which
+    gathers that search's words (`query`) for the viewer to highlight too."""
+    place = {k: v for k, v in citation.items() if k != "query"}
+    for held in citations:
+        if {k: v for k, v in held.items() if k != "query"} == place:
+            query = citation.get("query")
+            if isinstance(query, str) and query not in (held.get("query") or ""):
+                held["query"] = f"{held['query']} {query}"[:QUERY_CHARS] if held.get("query") else query
+            return
+    citations.append(dict(citation))
 
 
 def _citable(citation: dict) -> bool:
