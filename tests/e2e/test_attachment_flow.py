@@ -79,4 +79,4 @@ def test_a_text_file_is_cited_by_its_lines_not_as_a_page(page, server, sim):
 
     reply = assistant_messages(page).last
     expect(reply).to_have_attribute("data-status", "complete")
-    expect(reply.get_by_test_id("citation")).to_have_text(["1notes.txt lines 1-3"])
+    expect(reply.get_by_test_id("citation")).to_have_text(["1notes.txt lines 1-2"])
