@@ -194,5 +194,15 @@ export function wireTranscript() {
   messages.addEventListener("click", (e) => {
     const copy = e.target.closest("button.copy");
     if (copy) copyCode(copy).catch(showError);
+    // A footnote link and its way back scroll within the reply: the address names the
+    // conversation, so `#fn…` must never reach it.
+    const note = e.target.closest(".footnote-ref a, a.footnote-back");
+    if (note) {
+      e.preventDefault();
+      const target = document.getElementById(note.getAttribute("href").slice(1));
+      target?.scrollIntoView({ block: "center" });
+      target?.classList.add("footnote-target");
+      setTimeout(() => target?.classList.remove("footnote-target"), 1500);
+    }
   });
 }
