@@ -113,3 +113,48 @@ def test_task_list_footnote_and_wide_table(page, sim):
     sizes = table.evaluate("t => [t.scrollWidth, t.clientWidth, t.closest('.bubble').clientWidth]")
     assert sizes[0] > sizes[1], "the wide table did not overflow its scroller"
     assert sizes[1] <= sizes[2], "the table's scroller is wider than the reply"
+
+
+RAW_WATCH = """
+() => {
+  window.__raw = {frames: 0, streamingFrames: 0, strongWhileStreaming: false, seen: []};
+  const tick = () => {
+    window.__raw.frames++;
+    const reply = document.querySelector('[data-role=assistant][data-status=streaming] .bubble');
+    if (reply) {
+      window.__raw.streamingFrames++;
+      if (reply.querySelector('.md-tail strong, .md-stable strong')) window.__raw.strongWhileStreaming = true;
+      const walker = document.createTreeWalker(reply, NodeFilter.SHOW_TEXT);
+      for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+        if (!n.parentElement.closest('code') && n.data.includes('**')) window.__raw.seen.push(n.data);
+      }
+    }
+    if (!window.__raw.stop) requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+}
+"""
+
+
+def pieces(text: str, size: int) -> list:
+    """The text as a stream: `size` characters at a time, a short pause between them."""
+    out = []
+    for k in range(0, len(text), size):
+        out += [steps.Text(text[k:k + size], chunk_size=1000), steps.Sleep(0.03)]
+    return out
+
+
+def test_no_raw_markdown_shows_while_a_reply_streams(page, sim):
+    text = ("Here is **bold text** and *some emphasis* with `inline code` in one line.\n\n"
+            "- a list item with **strong words** inside\n- another **one**\n\n"
+            "A final paragraph that says **this matters** and then ends.\n")
+    sim.enqueue(Script(pieces(text, 3)))
+    page.evaluate(RAW_WATCH)
+    send(page, "Stream it")
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    raw = page.evaluate("() => { window.__raw.stop = true; return window.__raw; }")
+    assert raw["streamingFrames"] > 10, raw
+    assert raw["strongWhileStreaming"], "bold was never drawn while streaming"
+    assert raw["seen"] == [], raw["seen"][:5]
+    expect(reply.locator("strong")).to_have_text(["bold text", "strong words", "one", "this matters"])
