@@ -170,6 +170,20 @@ export function nearBottom() {
 
 export function scrollToBottom(force = false) {
   if (force || nearBottom()) transcript.scrollTop = transcript.scrollHeight;
+  updateJump();
+}
+
+/**
+ * "Jump to latest": shown while a reply streams and the person has scrolled up from the bottom
+ * (which also stops the transcript following the reply: turn.js follows only when near the
+ * bottom). A click scrolls back down, and following resumes from there.
+ */
+const jump = $("jump-latest");
+
+export function updateJump() {
+  const streaming = !!messages.querySelector('[data-role="assistant"][data-status="streaming"]');
+  const show = streaming && !nearBottom();
+  if (jump.hidden === show) jump.hidden = !show;
 }
 
 /** A message element already in the transcript, by id (null when it is not drawn). */
@@ -191,6 +205,10 @@ async function copyCode(copy) {
 }
 
 export function wireTranscript() {
+  transcript.addEventListener("scroll", updateJump, { passive: true });
+  jump.addEventListener("click", () => scrollToBottom(true));
+  // A reply starting or ending streaming shows or hides the button without a scroll.
+  new MutationObserver(updateJump).observe(messages, { subtree: true, attributeFilter: ["data-status"] });
   messages.addEventListener("click", (e) => {
     const copy = e.target.closest("button.copy");
     if (copy) copyCode(copy).catch(showError);

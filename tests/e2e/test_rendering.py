@@ -158,3 +158,37 @@ def test_no_raw_markdown_shows_while_a_reply_streams(page, sim):
     assert raw["strongWhileStreaming"], "bold was never drawn while streaming"
     assert raw["seen"] == [], raw["seen"][:5]
     expect(reply.locator("strong")).to_have_text(["bold text", "strong words", "one", "this matters"])
+
+
+def test_scrolling_up_during_a_long_reply_offers_a_jump_back_to_the_latest(page, sim):
+    paragraphs = [steps.Text(f"Paragraph {k}: " + "words that fill the line " * 12 + "\n\n", chunk_size=1000)
+                  for k in range(60)]
+    script = []
+    for p in paragraphs:
+        script += [p, steps.Sleep(0.08)]
+    sim.enqueue(Script(script))
+    send(page, "Tell me a long story")
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "streaming")
+    jump = page.get_by_test_id("jump-latest")
+    transcript = page.locator("#transcript")
+    gap = "t => t.scrollHeight - t.scrollTop - t.clientHeight"
+    # Followed while the person stays at the bottom: no button.
+    page.wait_for_function("() => document.getElementById('transcript').scrollHeight > 3 * innerHeight")
+    expect(jump).to_be_hidden()
+    assert transcript.evaluate(gap) < 80
+
+    transcript.hover()
+    page.mouse.wheel(0, -2000)
+    expect(jump).to_be_visible()
+    top = transcript.evaluate("t => t.scrollTop")
+    page.wait_for_timeout(600)  # more paragraphs arrive; the view stays where the person put it
+    assert transcript.evaluate("t => t.scrollTop") == top
+    assert transcript.evaluate(gap) > 80
+
+    jump.click()
+    expect(jump).to_be_hidden()
+    page.wait_for_timeout(600)  # following again: still at the bottom as the reply grows
+    assert transcript.evaluate(gap) < 80
+    expect(reply).to_have_attribute("data-status", "complete", timeout=20_000)
+    expect(jump).to_be_hidden()
