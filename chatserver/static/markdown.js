@@ -2,8 +2,10 @@
 //
 // Every node is built with createElement/textContent, so nothing in the text can become markup:
 // `<script>` or `<img onerror>` in a reply stays visible text. Links are kept only for http and
-// https. It covers what chat replies use (headings, lists, quotes, fenced code, tables,
-// emphasis, inline code, links) and deliberately not raw HTML, images or reference links.
+// https. It covers what chat replies use (headings, lists and task lists, quotes, fenced code,
+// tables, emphasis, inline code, links, footnotes, maths) and deliberately not raw HTML, images or
+// reference links. Maths is only marked out here (its TeX kept exactly as written, escapes and
+// all); highlighting and drawing formulas are the page's hooks (richtext.js).
 //
 // Model output is hostile input, and one reply that freezes the tab freezes it on every reload.
 // So the work is linear in the text: every pattern matches one way only (no two neighbouring
