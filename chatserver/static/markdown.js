@@ -2,8 +2,10 @@
 //
 // Every node is built with createElement/textContent, so nothing in the text can become markup:
 // `<script>` or `<img onerror>` in a reply stays visible text. Links are kept only for http and
-// https. It covers what chat replies use (headings, lists, quotes, fenced code, tables,
-// emphasis, inline code, links) and deliberately not raw HTML, images or reference links.
+// https. It covers what chat replies use (headings, lists and task lists, quotes, fenced code,
+// tables, emphasis, inline code, links, footnotes, maths) and deliberately not raw HTML, images or
+// reference links. Maths is only marked out here (its TeX kept exactly as written, escapes and
+// all); highlighting and drawing formulas are the page's hooks (richtext.js).
 //
 // Model output is hostile input, and one reply that freezes the tab freezes it on every reload.
 // So the work is linear in the text: every pattern matches one way only (no two neighbouring
@@ -27,12 +29,73 @@ const MAX_BARE_URL = 2048;
 
 export const work = { steps: 0 };
 
+/**
+ * What the page plugs in (richtext.js): `highlight(codeEl, code, lang)` for a finished code block
+ * and `math(el, tex, display)` for a formula. Unset (as under node), code stays plain text and a
+ * formula shows its TeX source. The renderer itself stays pure and its work bounded.
+ */
+export const hooks = { highlight: null, math: null };
+
+// Footnotes of the render under way: label -> {id, n}, and the prefix that keeps ids unique.
+let notes = null;
+let renderSeq = 0;
+const FOOTNOTE_DEF_RE = /^ {0,3}\[\^([\w-]{1,32})\]:[ \t]?(.*)$/;
+// A task list item's box: `[ ]`, `[x]` or `[X]` and a blank (or nothing) after it.
+const TASK_RE = /^\[([ xX])\](?:[ \t]|$)/;
+
 /** Render complete Markdown text into a DocumentFragment. */
 export function renderMarkdown(text) {
   const fragment = document.createDocumentFragment();
   // A lone \r is a line break too; left inside a line it would stop `.` in the line patterns.
-  parseBlocks(text.split(/\r\n|\r|\n/), fragment, 0);
+  const lines = text.split(/\r\n|\r|\n/);
+  const outer = notes;
+  notes = collectNotes(lines);
+  try {
+    parseBlocks(lines, fragment, 0);
+    if (notes.defs.length) fragment.append(footnoteSection(notes));
+  } finally {
+    notes = outer;
+  }
   return fragment;
+}
+
+/**
+ * Footnote definitions (`[^label]: text` at the top level) are taken out of the lines first, so a
+ * reference anywhere before them knows its note. One pattern test per line.
+ */
+function collectNotes(lines) {
+  const found = { prefix: `fn${++renderSeq}`, byLabel: new Map(), defs: [] };
+  for (let i = 0; i < lines.length; i++) {
+    work.steps++;
+    if (lines[i][0] === " " ? !lines[i].trimStart().startsWith("[^") : !lines[i].startsWith("[^")) continue;
+    const m = FOOTNOTE_DEF_RE.exec(lines[i]);
+    if (!m || found.byLabel.has(m[1])) continue;
+    const def = { label: m[1], text: m[2], n: found.defs.length + 1, id: `${found.prefix}-${found.defs.length + 1}` };
+    found.byLabel.set(m[1], def);
+    found.defs.push(def);
+    lines[i] = "";
+  }
+  return found;
+}
+
+function footnoteSection(found) {
+  const section = el("section", "footnotes");
+  section.dataset.test = "footnotes";
+  section.append(el("hr"));
+  const list = el("ol");
+  for (const def of found.defs) {
+    const li = el("li");
+    li.id = def.id;
+    li.dataset.test = "footnote";
+    parseInline(def.text, li);
+    const back = el("a", "footnote-back", "↩");
+    back.href = `#${def.id}-ref`;
+    back.setAttribute("aria-label", "Back to the reference");
+    li.append(" ", back);
+    list.append(li);
+  }
+  section.append(list);
+  return section;
 }
 
 /** A fence opener as {indent, marker, lang}, or null. A backtick in the info string means inline code. */
@@ -175,7 +238,9 @@ export class StreamingMarkdown {
       this.tail.replaceChildren(codeBlock(fence.code, fence.lang, false));
     } else if (tail && !/^\s*(`+|~+)[\w+#.-]*$/.test(tail)) {
       // A partial line that may still become a fence opener stays hidden until its line ends.
-      this.tail.replaceChildren(el("p", "md-partial", tail));
+      // The rest is drawn as Markdown now, its open emphasis and code closed for the moment,
+      // so `**` never shows while the words it makes bold are arriving.
+      this.tail.replaceChildren(renderMarkdown(provisional(tail)));
     } else {
       this.tail.replaceChildren();
     }
@@ -186,6 +251,48 @@ export class StreamingMarkdown {
     this.stable.replaceChildren(renderMarkdown(text));
     this.tail.replaceChildren();
   }
+}
+
+/**
+ * A partial line made renderable: the delimiter run it ends with (a `**` whose words have not
+ * arrived) is held back, the code span still open is closed, and so is the first emphasis or
+ * strike-through still open (only one: a run of several closers could close many nested levels at
+ * once, each found by its own scan to the end). One pass over the line.
+ */
+export function provisional(line) {
+  let end = line.length;
+  while (end > 0 && "*_~`$".includes(line[end - 1])) end--;
+  while (end > 0 && (line[end - 1] === " " || line[end - 1] === "\t")) end--;
+  work.steps += line.length - end;
+  const s = line.slice(0, end);
+  const open = [];
+  let code = "";
+  for (let i = 0; i < s.length; i++) {
+    work.steps++;
+    const ch = s[i];
+    if (ch === "\\") {
+      i++;
+      continue;
+    }
+    if (ch !== "`" && ch !== "*" && ch !== "_" && ch !== "~") continue;
+    let n = 1;
+    while (s[i + n] === ch) n++;
+    const run = ch.repeat(n);
+    const before = s[i - 1];
+    const after = s[i + n];
+    i += n - 1;
+    if (ch === "`") {
+      if (!code) code = run;
+      else if (code === run) code = "";
+      continue;
+    }
+    if (code || (ch === "~" && n !== 2)) continue;
+    if (ch === "_" && before !== undefined && /[\p{L}\p{N}]/u.test(before)) continue;
+    const k = open.lastIndexOf(run);
+    if (k !== -1 && before !== undefined && !/\s/.test(before)) open.splice(k, 1);
+    else if (after !== undefined && !/\s/.test(after) && open.length < 1) open.push(run);
+  }
+  return s + code + open.reverse().join("");
 }
 
 function isClosingFence(line, marker) {
@@ -221,7 +328,7 @@ function startsBlock(lines, i, depth) {
   const line = lines[i];
   work.steps++;
   return (
-    !!fenceOpen(line) || !!heading(line) || HR_RE.test(line) ||
+    !!fenceOpen(line) || !!heading(line) || HR_RE.test(line) || mathOpen(line) !== null ||
     (depth < MAX_DEPTH && QUOTE_RE.test(line)) ||
     (depth < MAX_DEPTH && LIST_RE.test(line) && !isBlank(LIST_RE.exec(line)[4] ?? "")) ||
     isTableStart(lines, i)
@@ -238,6 +345,8 @@ function parseBlocks(lines, parent, depth) {
       i++;
     } else if (fenceOpen(line)) {
       i = parseFence(lines, i, parent);
+    } else if (mathOpen(line) !== null && (h = parseMathBlock(lines, i, parent)) !== -1) {
+      i = h;
     } else if ((h = heading(line))) {
       const node = el(`h${h.level}`);
       parseInline(h.content, node);
@@ -258,6 +367,59 @@ function parseBlocks(lines, parent, depth) {
   }
 }
 
+/** The closing delimiter a display-maths line opens (`$$` or `\\]`), or null. */
+function mathOpen(line) {
+  const s = trimBlanks(line);
+  if (s.startsWith("$$")) return "$$";
+  if (s.startsWith("\\[")) return "\\]";
+  return null;
+}
+
+/**
+ * `$$...$$` or `\\[...\\]` on its own lines: the TeX between goes to the formula untouched. Returns
+ * the next line's index, or -1 when the block never closes (it is then a paragraph). A failed
+ * search is remembered on the lines, so a reply of unclosed `$$` lines is read once.
+ */
+function parseMathBlock(lines, i, parent) {
+  const close = mathOpen(lines[i]);
+  const first = trimBlanks(lines[i]).slice(2);
+  let tex = null;
+  let j = i;
+  if (first.length >= 2 && first.endsWith(close)) {
+    tex = first.slice(0, -2);
+    // `$$a$$ and $$b$$` is two formulas in a line of text, not one block.
+    if (tex.includes(close)) return -1;
+  } else if (!(lines.mathUnclosed?.[close] <= i)) {
+    const body = [first];
+    for (j = i + 1; j < lines.length; j++) {
+      const s = trimBlanks(lines[j]);
+      if (s.endsWith(close)) {
+        body.push(s.slice(0, -2));
+        tex = body.join("\n");
+        break;
+      }
+      body.push(lines[j]);
+    }
+    if (tex === null) {
+      lines.mathUnclosed = { ...lines.mathUnclosed, [close]: i };
+      return -1;
+    }
+  } else {
+    return -1;
+  }
+  if (!tex.trim()) return -1;
+  parent.append(mathNode(tex, true));
+  return j + 1;
+}
+
+/** A formula: its TeX source as text, drawn by the page's math hook when there is one. */
+function mathNode(tex, display) {
+  const node = el(display ? "div" : "span", display ? "math math-display" : "math math-inline", tex);
+  node.dataset.test = "math";
+  if (hooks.math) hooks.math(node, tex, display);
+  return node;
+}
+
 function parseFence(lines, i, parent) {
   const { indent, marker, lang } = fenceOpen(lines[i]);
   const cols = indentOf(indent);
@@ -274,16 +436,22 @@ function parseFence(lines, i, parent) {
 /** A code block: `<pre><code>` holding the code exactly, and a Copy button once complete. */
 function codeBlock(code, lang, complete) {
   const wrap = el("div", complete ? "code-block" : "code-block pending");
+  wrap.dataset.test = "code-block";
   const head = el("div", "code-head");
-  head.append(el("span", "code-lang", lang || "code"));
+  const label = el("span", "code-lang", lang || "code");
+  label.dataset.test = "code-lang";
+  head.append(label);
   const pre = el("pre");
   const codeEl = el("code", null, code);
   const safeLang = (lang || "").replace(/[^\w+#.-]/g, "");
   if (safeLang) codeEl.className = `language-${safeLang}`;
   pre.append(codeEl);
+  // Highlighted once, when the fence has closed: a block still streaming stays plain text.
+  if (complete && hooks.highlight) hooks.highlight(codeEl, code, safeLang);
   if (complete) {
     const copy = el("button", "copy", "Copy");
     copy.type = "button";
+    copy.dataset.test = "code-copy";
     head.append(copy);
   }
   wrap.append(head, pre);
@@ -348,6 +516,18 @@ function parseList(lines, i, parent, depth) {
 
 function renderItem(item, depth) {
   const li = el("li");
+  const task = TASK_RE.exec(item.lines[0]);
+  if (task) {
+    // A task: a box the reader sees but cannot tick (the reply is the model's, not a form).
+    const box = el("input");
+    box.type = "checkbox";
+    box.disabled = true;
+    box.checked = task[1] !== " ";
+    box.dataset.test = "task-box";
+    li.className = "task";
+    li.append(box);
+    item.lines[0] = item.lines[0].slice(task[0].length);
+  }
   parseBlocks(item.lines, li, depth);
   return li;
 }
@@ -382,6 +562,7 @@ function parseTable(lines, i, parent) {
   }
   table.append(thead, tbody);
   const wrap = el("div", "md-table");
+  wrap.dataset.test = "md-table";
   wrap.append(table);
   parent.append(wrap);
   return i;
@@ -431,6 +612,7 @@ class InlineParser {
     // Partner of each [ and ( (the ] or ) that closes it), found on first use in one pass.
     this.partner = null;
     this.inLink = false;
+    this.depth = 0;
   }
 
   /**
@@ -474,6 +656,15 @@ class InlineParser {
     while (i < end) {
       work.steps++;
       const ch = t[i];
+      if (ch === "\\" && (t[i + 1] === "(" || t[i + 1] === "[")) {
+        const math = this.delimitedMath(i, end);
+        if (math) {
+          flush();
+          parent.append(math.node);
+          i = math.end;
+          continue;
+        }
+      }
       if (ch === "\\" && i + 1 < end && PUNCT.includes(t[i + 1])) {
         buf += t[i + 1];
         i += 2;
@@ -503,13 +694,92 @@ class InlineParser {
     const ch = t[i];
     if (ch === "`") return this.codeSpan(i, end);
     if (ch === "*" || ch === "_" || (ch === "~" && t[i + 1] === "~")) return this.emphasis(i, end);
+    if (ch === "$") return this.dollarMath(i, end);
     // Links never nest: a URL inside a link's label stays text.
     if (this.inLink) return null;
+    if (ch === "[" && t[i + 1] === "^") {
+      const note = this.footnoteRef(i, end);
+      if (note) return note;
+    }
     if (ch === "[") return this.link(i, end, i + 1);
     if (ch === "!" && t[i + 1] === "[") return this.link(i, end, i + 2);
     if (ch === "<") return this.autolink(i, end);
     if (ch === "h" && (i === 0 || /[\s(]/.test(t[i - 1]))) return this.bareUrl(i, end);
     return null;
+  }
+
+  /** `[^label]` naming a footnote of this reply: a numbered link to its note. */
+  footnoteRef(i, end) {
+    if (!notes) return null;
+    const close = this.text.indexOf("]", i + 2);
+    if (close === -1 || close >= end || close - i > 34) return null;
+    const def = notes.byLabel.get(this.text.slice(i + 2, close));
+    if (!def) return null;
+    const sup = el("sup", "footnote-ref");
+    const a = el("a", null, String(def.n));
+    a.href = `#${def.id}`;
+    a.id = `${def.id}-ref`;
+    a.dataset.test = "footnote-ref";
+    sup.append(a);
+    return { node: sup, end: close + 1 };
+  }
+
+  /**
+   * `$tex$` (no blank just inside either `$`, the closing one not followed by a digit, so
+   * "$5 and $10" stays prices) or `$$tex$$`. The TeX is taken as written: no escapes apply.
+   */
+  dollarMath(i, end) {
+    const t = this.text;
+    if (t[i + 1] === "$") {
+      const close = this.findText("$$", i + 2, end);
+      if (close === -1 || close === i + 2) return null;
+      return { node: mathNode(t.slice(i + 2, close), true), end: close + 2 };
+    }
+    const after = t[i + 1];
+    if (after === undefined || /\s/.test(after)) return null;
+    const close = this.findDollar(i + 1, end);
+    if (close === -1) return null;
+    return { node: mathNode(t.slice(i + 1, close), false), end: close + 1 };
+  }
+
+  /** `\\(tex\\)` inline, `\\[tex\\]` displayed. */
+  delimitedMath(i, end) {
+    const t = this.text;
+    const display = t[i + 1] === "[";
+    const close = this.findText(display ? "\\]" : "\\)", i + 2, end);
+    if (close === -1 || close === i + 2) return null;
+    return { node: mathNode(t.slice(i + 2, close), display), end: close + 2 };
+  }
+
+  /** The next `needle` in [from, end), or -1; a failed search is remembered like findCloser's. */
+  findText(needle, from, end) {
+    const known = this.noCloser.get(needle);
+    if (known && known.from <= from && end <= known.end) return -1;
+    const j = this.text.indexOf(needle, from);
+    work.steps += (j === -1 ? end : Math.min(j, end)) - from;
+    if (j === -1 || j + needle.length > end) {
+      this.noCloser.set(needle, { from, end });
+      return -1;
+    }
+    return j;
+  }
+
+  /** The `$` closing inline maths opened before `from`, or -1. */
+  findDollar(from, end) {
+    const known = this.noCloser.get("$");
+    if (known && known.from <= from && end <= known.end) return -1;
+    const t = this.text;
+    for (let j = from; j < end; j++) {
+      work.steps++;
+      if (t[j] === "\\") {
+        j++;
+        continue;
+      }
+      if (t[j] !== "$") continue;
+      if (j > from && !/\s/.test(t[j - 1]) && !/[0-9]/.test(t[j + 1] ?? "")) return j;
+    }
+    this.noCloser.set("$", { from, end });
+    return -1;
   }
 
   codeSpan(i, end) {
@@ -614,6 +884,8 @@ class InlineParser {
   }
 
   emphasis(i, end) {
+    // Emphasis nests by recursion: deeper than blocks may, it stays text.
+    if (this.depth >= MAX_DEPTH) return null;
     const t = this.text;
     const ch = t[i];
     let n = 0;
@@ -675,7 +947,9 @@ class InlineParser {
       inner.append(child);
       inner = child;
     }
+    this.depth++;
     this.run(inner, innerStart, innerEnd);
+    this.depth--;
     return { node: outer, end };
   }
 }

@@ -170,6 +170,20 @@ export function nearBottom() {
 
 export function scrollToBottom(force = false) {
   if (force || nearBottom()) transcript.scrollTop = transcript.scrollHeight;
+  updateJump();
+}
+
+/**
+ * "Jump to latest": shown while a reply streams and the person has scrolled up from the bottom
+ * (which also stops the transcript following the reply: turn.js follows only when near the
+ * bottom). A click scrolls back down, and following resumes from there.
+ */
+const jump = $("jump-latest");
+
+export function updateJump() {
+  const streaming = !!messages.querySelector('[data-role="assistant"][data-status="streaming"]');
+  const show = streaming && !nearBottom();
+  if (jump.hidden === show) jump.hidden = !show;
 }
 
 /** A message element already in the transcript, by id (null when it is not drawn). */
@@ -191,8 +205,22 @@ async function copyCode(copy) {
 }
 
 export function wireTranscript() {
+  transcript.addEventListener("scroll", updateJump, { passive: true });
+  jump.addEventListener("click", () => scrollToBottom(true));
+  // A reply starting or ending streaming shows or hides the button without a scroll.
+  new MutationObserver(updateJump).observe(messages, { subtree: true, attributeFilter: ["data-status"] });
   messages.addEventListener("click", (e) => {
     const copy = e.target.closest("button.copy");
     if (copy) copyCode(copy).catch(showError);
+    // A footnote link and its way back scroll within the reply: the address names the
+    // conversation, so `#fn…` must never reach it.
+    const note = e.target.closest(".footnote-ref a, a.footnote-back");
+    if (note) {
+      e.preventDefault();
+      const target = document.getElementById(note.getAttribute("href").slice(1));
+      target?.scrollIntoView({ block: "center" });
+      target?.classList.add("footnote-target");
+      setTimeout(() => target?.classList.remove("footnote-target"), 1500);
+    }
   });
 }

@@ -11,6 +11,7 @@ import { followTurn } from "./sse.js";
 import { isReasoning, setOpen, setTurn, store } from "./store.js";
 import {
   drawnMessage, lastDrawn, nearBottom, place, renderGreeting, renderRegenerate, renderTranscript, scrollToBottom,
+  updateJump,
 } from "./transcript.js";
 import { AssistantView, renderNotice, renderUser } from "./views.js";
 
@@ -207,6 +208,7 @@ async function readTurn(turn, res, lastId) {
     const stick = nearBottom();
     handleEvent(turn, event, data);
     if (stick) scrollToBottom(true);
+    else updateJump();
   }
   // Nothing runs any more (the turn ended while the page was not reading): the store knows how.
   return { type: "ended" };

@@ -23,7 +23,26 @@ const cases = {
   url_parens: "see http://a.example/" + ")".repeat(N),
   code_ticks: Array.from({ length: 600 }, (_, k) => "`".repeat(k + 1) + "a").join(" "),
   emphasis: "*a ".repeat(N / 3) + "**b _c ~~d",
+  dollars: "$a ".repeat(N / 3),
+  dollar_pairs: "$$a ".repeat(N / 4),
+  math_lines: "$$\n".repeat(N / 3),
+  math_brackets: "\\[a".repeat(N / 3) + "\n" + "\\(a".repeat(N / 3),
+  footnote_refs: "[^a]".repeat(N / 4) + "\n\n[^a]: note",
+  footnote_defs: "[^a]: x\n".repeat(N / 8),
+  task_items: "- [x] a\n".repeat(N / 8),
 };
+
+const { provisional } = await import("../../../chatserver/static/markdown.js");
+// The streaming tail: a partial line is closed for the moment, then rendered.
+const tails = {
+  tail_emphasis: "**a" + " *b _c".repeat(N / 6),
+  tail_runs: "*".repeat(N),
+};
+for (const [name, text] of Object.entries(tails)) {
+  work.steps = 0;
+  const tree = renderMarkdown(provisional(text));
+  console.log(JSON.stringify({ name, length: text.length, steps: work.steps, nodes: tags(tree).length }));
+}
 
 for (const [name, text] of Object.entries(cases)) {
   work.steps = 0;
