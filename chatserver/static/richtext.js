@@ -1,7 +1,8 @@
 // Syntax highlighting and maths for the Markdown renderer, from the vendored highlight.js and
 // KaTeX (static/vendor/README.md). Both run on untrusted model output:
-// - highlight.js escapes the code it is given; its output (spans with `hljs-*` classes) is the only
-//   HTML the page ever inserts, and only inside the block's <code>, which markdown.js built.
+// - highlight.js escapes the code it is given, and its output (spans with `hljs-*` classes and
+//   escaped text) is never handed to the HTML parser: `tokenNodes` rebuilds it with createElement
+//   and text nodes, and anything else in it leaves the block plain.
 // - KaTeX runs with `trust: false` (no \href, \url, \includegraphics, \htmlClass...), expansion
 //   and size limits, and builds its nodes with createElement, styled through the CSSOM, which the
 //   page's Content-Security-Policy allows (an HTML string with style attributes it would refuse).
@@ -42,9 +43,38 @@ hooks.highlight = (codeEl, code, lang) => {
     if (highlighted.size >= CACHE_SIZE) highlighted.delete(highlighted.keys().next().value);
     highlighted.set(key, html);
   }
-  codeEl.innerHTML = html;
+  const nodes = tokenNodes(html);
+  if (!nodes) return;
+  codeEl.replaceChildren(...nodes);
   codeEl.classList.add("hljs");
 };
+
+const ENTITIES = { "&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"', "&#x27;": "'", "&#39;": "'" };
+const TOKEN = /<span class="([a-z0-9_ -]+)">|<\/span>|([^<]+)/gy;
+
+/** highlight.js's output as DOM nodes, or null when it holds anything but its spans and text. */
+function tokenNodes(html) {
+  if (!html) return null;
+  const root = document.createDocumentFragment();
+  const open = [root];
+  TOKEN.lastIndex = 0;
+  let match;
+  while (TOKEN.lastIndex < html.length && (match = TOKEN.exec(html))) {
+    if (match[1] !== undefined) {
+      const span = document.createElement("span");
+      span.className = match[1];
+      open[open.length - 1].append(span);
+      open.push(span);
+    } else if (match[2] !== undefined) {
+      open[open.length - 1].append(match[2].replace(/&(?:amp|lt|gt|quot|#x27|#39);/g, (e) => ENTITIES[e]));
+    } else if (open.length > 1) {
+      open.pop();
+    } else {
+      return null;
+    }
+  }
+  return TOKEN.lastIndex === html.length && open.length === 1 ? [...root.childNodes] : null;
+}
 
 hooks.math = (el, tex, display) => {
   try {
