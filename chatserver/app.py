@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -125,6 +126,21 @@ def make_attachments(settings: Settings, shared: RedisStore | None) -> Attachmen
         mask_pii=settings.pii_masking == "on"), meta=meta, blobs=make_blobs(settings))
 
 
+SHUTDOWN_STEP_SECONDS = 30.0
+
+
+async def close_within(what: str, closing: Awaitable[object], seconds: float = SHUTDOWN_STEP_SECONDS) -> None:
+    """Await one shutdown step for at most `seconds`; past that, log which one and go on (it is
+    cancelled, not awaited: a step that ignores cancellation must not hold the process either)."""
+    step = asyncio.ensure_future(closing)
+    await asyncio.wait([step], timeout=seconds)
+    if not step.done():
+        log.error("shutting down: %s did not finish within %.0f s; stopping without it", what, seconds)
+        step.cancel()
+    elif not step.cancelled() and (failure := step.exception()) is not None:
+        raise failure
+
+
 EXPIRY_INTERVAL = 3600  # seconds between passes over the file store for CONVERSATION_TTL_DAYS
 
 
@@ -196,17 +212,19 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             try:
                 yield
             finally:
-                await app.state.chat.hub.close()  # running turns save what arrived before the store closes
-                await events.close()
+                # Running turns save what arrived before the store closes. Each step is bounded:
+                # a step that hangs is logged by name and left behind, and the process still stops.
+                await close_within("the turn hub", app.state.chat.hub.close())
+                await close_within("the person events", events.close())
                 if expiry is not None:
                     expiry.cancel()
-                await store.flush()
-                await attachments.close()
-                await app.state.search.close()
-                await account_store.close()
-                await store.close()
+                await close_within("the store's pending writes", store.flush())
+                await close_within("the attachments", attachments.close())
+                await close_within("the search index", app.state.search.close())
+                await close_within("the account store", account_store.close())
+                await close_within("the store", store.close())
                 if demo is not None:
-                    await demo.stop_async()
+                    await close_within("the demo gateway", demo.stop_async())
 
     # No /docs or /redoc: their viewers load scripts from a CDN and run inline ones, which the page's
     # Content-Security-Policy (sent with every answer) refuses. /openapi.json stays.

@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from chatserver import tasks
 from chatserver.conversations.document import summary_of
 from chatserver.store.files import Change, OwnerStore, StoreUnavailable, TurnLock
 
@@ -166,10 +167,7 @@ class RedisPersonEvents(PersonEvents):
 
     async def close(self) -> None:
         for task in (self._listener, self._sender):
-            if task is not None:
-                task.cancel()
-                with suppress(asyncio.CancelledError):
-                    await task
+            await tasks.stop(task)
 
 
 def tell_turn(events: PersonEvents, owner: str, conv_id: str, started: bool) -> None:

@@ -61,6 +61,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from chatserver import tasks
 from chatserver.conversations.document import (
     new_id,
     now_iso,
@@ -810,10 +811,7 @@ class _StopListener:
                     await pubsub.aclose()
 
     async def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self.task
+        await tasks.stop(self.task)
 
 
 def _left_streaming(conv: dict) -> bool:

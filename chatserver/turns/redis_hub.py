@@ -28,6 +28,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from chatserver import tasks
 from chatserver.api.sse import encode
 from chatserver.store.files import StoreUnavailable
 from chatserver.store.person_events import PersonEvents, tell_turn
@@ -120,9 +121,7 @@ class RedisTurnHub:
                                              block_ms=max(1, min(int(remaining * 1000), STOP_POLL_MS)))
 
     async def close(self) -> None:
-        self._sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._sweeper
+        await tasks.stop(self._sweeper)
         await self.local.close()
         if self._helpers:
             await asyncio.wait(list(self._helpers), timeout=CLOSE_WAIT)
