@@ -82,8 +82,11 @@ class Reader:
         self._thread.start()
 
     def _read(self, method: str, url: str, kwargs: dict) -> None:
+        # `client=`: read over that client's (kept-alive) connection instead of a new one.
+        client: httpx.Client | None = kwargs.pop("client", None)
         try:
-            with httpx.stream(method, url, timeout=20, **kwargs) as response:
+            with (client.stream(method, url, **kwargs) if client is not None
+                  else httpx.stream(method, url, timeout=20, **kwargs)) as response:
                 self.status = response.status_code
                 block: list[str] = []
                 for line in response.iter_lines():

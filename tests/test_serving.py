@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import select
 import socket
@@ -153,7 +154,12 @@ def read_response(sock: socket.socket) -> bytes:
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(4096)
-    return data
+    return head + b"\r\n\r\n" + body
+
+
+def read_json(sock: socket.socket) -> dict:
+    """The JSON body of one whole HTTP response read off the socket."""
+    return json.loads(read_response(sock).partition(b"\r\n\r\n")[2])
 
 
 def test_at_the_cap_an_idle_kept_alive_connection_makes_room_for_a_newcomer(tmp_path, sim):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import signal
 import socket
@@ -26,8 +25,8 @@ from chatserver.search import follow
 from chatserver.store.files import FileStore
 from gateway_sim.simulator import Script, steps
 from support import ROOT, LiveServer, parse_sse
-from test_reattach import WHOLE, Reader, has_delta, parse_block, slow_reply, start_conversation, text_of
-from test_serving import MAKE_RUN
+from test_reattach import WHOLE, Reader, has_delta, slow_reply, start_conversation, text_of
+from test_serving import MAKE_RUN, read_json
 
 # A low soft open-file limit, as a shell may give; `make run` raises it before the workers are forked.
 LOW_FILE_LIMIT = ("import resource; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
@@ -65,32 +64,6 @@ def pinned(server: LiveServer, worker: int, timeout: float = 20) -> tuple[httpx.
             pass
         client.close()
         assert time.monotonic() < deadline, f"worker {worker} never answered"
-
-
-class PinnedReader(Reader):
-    """Reader over a pinned client's connection instead of a new one."""
-
-    def _read(self, method: str, url: str, kwargs: dict) -> None:
-        client: httpx.Client = kwargs.pop("client")
-        try:
-            with client.stream(method, url, **kwargs) as response:
-                self.status = response.status_code
-                block: list[str] = []
-                for line in response.iter_lines():
-                    if line:
-                        block.append(line)
-                        continue
-                    if (event := parse_block(block)) is not None:
-                        with self._changed:
-                            self.events.append(event)
-                            self._changed.notify_all()
-                    block = []
-        except httpx.HTTPError as exc:
-            self.error = exc
-        finally:
-            with self._changed:
-                self.finished.set()
-                self._changed.notify_all()
 
 
 def worker_pids(server: LiveServer) -> set[int]:
@@ -152,7 +125,7 @@ def test_a_turn_on_one_worker_is_stopped_and_reattached_through_the_other(server
             for line in response.iter_lines():
                 if line.startswith("event: delta"):
                     break
-        rest = PinnedReader("GET", f"{url}/stream", client=two, headers={"Last-Event-ID": "1"}).join()
+        rest = Reader("GET", f"{url}/stream", client=two, headers={"Last-Event-ID": "1"}).join()
         assert [seq for seq, _, _ in rest] == list(range(2, 2 + len(rest))), "every later event, once, in order"
         assert rest[-1][1] == "done" and rest[-1][2]["status"] == "complete" and text_of(rest) == WHOLE
         # After the end, any worker replays it alike: asked over fresh connections, whichever answers.
@@ -161,9 +134,9 @@ def test_a_turn_on_one_worker_is_stopped_and_reattached_through_the_other(server
 
         # Stop: a turn begun on worker 1, stopped by a request worker 2 answers.
         sim.enqueue(slow_reply())
-        post = PinnedReader("POST", f"{url}/messages", client=one, json={"content": "another long one"})
+        post = Reader("POST", f"{url}/messages", client=one, json={"content": "another long one"})
         post.wait_for(has_delta)
-        follower = PinnedReader("GET", f"{url}/stream", client=two, headers={"Last-Event-ID": "1"})
+        follower = Reader("GET", f"{url}/stream", client=two, headers={"Last-Event-ID": "1"})
         follower.wait_for(has_delta)
         assert stopper.get(url).json()["streaming"] is True
         assert stopper.post(f"{url}/stop", json={}).status_code == 204
@@ -193,9 +166,9 @@ def test_a_worker_killed_mid_reply_is_noticed_by_the_other_within_a_few_heartbea
         sim.enqueue(slow_reply(pause=0.5))  # twenty seconds of reply: the kill lands mid-reply
         conv_id = start_conversation(server.base_url)
         url = f"/api/conversations/{conv_id}"
-        post = PinnedReader("POST", f"{url}/messages", client=one, json={"content": "go slowly"})
+        post = Reader("POST", f"{url}/messages", client=one, json={"content": "go slowly"})
         post.wait_for(has_delta)
-        follower = PinnedReader("GET", f"{url}/stream", client=two, headers={"Last-Event-ID": "1"})
+        follower = Reader("GET", f"{url}/stream", client=two, headers={"Last-Event-ID": "1"})
         follower.wait_for(has_delta)
         deadline = time.monotonic() + 10
         while not is_checkpoint(httpx.get(f"{server.base_url}{url}").json()["messages"][-1]):
@@ -232,18 +205,6 @@ def test_a_worker_killed_mid_reply_is_noticed_by_the_other_within_a_few_heartbea
     assert "worker 1 (pid %d) was killed by signal 9" % pid_one in server.log()
 
 
-def read_json_response(sock: socket.socket) -> dict:
-    """One whole HTTP response with a content-length body, read off the socket; its JSON body."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(4096)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(4096)
-    return json.loads(body)
-
-
 def open_files_limit(pid: int) -> tuple[str, str]:
     with open(f"/proc/{pid}/limits") as f:
         soft, hard = next(line for line in f if line.startswith("Max open files")).split()[3:5]
@@ -263,7 +224,7 @@ def test_each_worker_keeps_the_servers_limits(tmp_path, sim, redis_server):
             assert time.monotonic() < deadline, f"only workers {sorted(trickling)} answered"
             sock = socket.create_connection(("127.0.0.1", live.port), timeout=5)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
-            worker = read_json_response(sock)["worker"]
+            worker = read_json(sock)["worker"]
             if worker in trickling:
                 sock.close()
                 continue
