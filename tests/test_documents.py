@@ -18,6 +18,7 @@ from chatserver.attachments import store as att
 from chatserver.attachments.extraction import Extractor, Unreadable
 from chatserver.attachments.store import Attachments, Limits, attachment_context, read_attachment
 from test_attachments import store, upload
+from test_extraction import pdf_of
 
 DOCS = corpus.ROOT
 
@@ -133,20 +134,6 @@ def test_widely_spaced_cjk_text_is_whole_as_pdftotext_reads_it(readings):
     assert "あ の" not in text and "あ\nの" not in text
     chinese = text_of(readings["pdfjs-issue12823.pdf"])
     assert "描述团队的共同目标" in chinese
-
-
-def pdf_of(objects: list[bytes]) -> bytes:
-    out = io.BytesIO(b"%PDF-1.4\n")
-    out.seek(0, 2)
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(out.tell())
-        out.write(b"%d 0 obj\n%s\nendobj\n" % (number, body))
-    xref = out.tell()
-    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
-    out.write(b"".join(b"%010d 00000 n \n" % offset for offset in offsets))
-    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
-    return out.getvalue()
 
 
 def pdf_with_a_bad_page() -> bytes:

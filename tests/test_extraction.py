@@ -51,6 +51,11 @@ def pdf_bomb(inflated_mib: int = 300, with_font: bool = False) -> bytes:
         b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(stream), stream),
         *([b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"] if with_font else []),
     ]
+    return pdf_of(objects)
+
+
+def pdf_of(objects: list[bytes]) -> bytes:
+    """A PDF of these objects (object 1 the catalog), with a correct cross-reference table."""
     out = io.BytesIO(b"%PDF-1.4\n")
     out.seek(0, 2)
     offsets = []
