@@ -29,7 +29,7 @@ def settled(server, conv_id: str) -> dict:
 
 
 def test_stop_closes_upstream_and_saves_partial_once(hang_up_stops_server, sim):
-    sim.enqueue(Script(steps=[steps.Text("Once upon a time "), steps.Sleep(0.2)]
+    sim.enqueue(Script(steps=[steps.Text("Once upon a time ", chunk_size=4), steps.Sleep(0.2)]
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
     conv_id = start_conversation(hang_up_stops_server)
 

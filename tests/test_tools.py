@@ -350,7 +350,7 @@ async def test_failure_after_output_keeps_the_partial_reply(api, sim, conv, kind
 
 def test_hang_up_stops_closes_the_upstream_socket_and_keeps_the_partial_tool_reply(hang_up_stops_server, sim):
     sim.enqueue(Script(steps=[steps.Search("long story sources", results=RESULTS),
-                              steps.Text("Once upon a time ")]
+                              steps.Text("Once upon a time ", chunk_size=4)]
                        + [steps.Text("and on and on ") if i % 2 == 0 else steps.Sleep(0.2) for i in range(60)]))
     base = hang_up_stops_server.base_url
     conv_id = httpx.post(f"{base}/api/conversations", json={}).json()["id"]
