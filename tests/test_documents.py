@@ -182,26 +182,19 @@ def test_word_headers_footers_notes_and_comments_are_stored(readings):
     assert comments[-1]["label"] == "comments" and comments[-1]["text"].strip()
 
 
-def test_docm_dotx_and_strict_ooxml_are_read(readings, tmp_path):
+def test_docm_dotx_and_strict_ooxml_are_read(readings):
     assert "macro word processing document" in text_of(readings["poi-SimpleMacro.docm"])
     assert readings["poi-test.dotx"]["kind"] == "docx"
-    # Strict OOXML: the same parts under the ISO namespaces (what Word writes for "Strict Open XML").
-    strict = io.BytesIO()
-    with zipfile.ZipFile(DOCS / "poi-headerFooter.docx") as source, zipfile.ZipFile(strict, "w") as target:
-        for item in source.infolist():
-            data = source.read(item)
-            if item.filename.endswith((".xml", ".rels")):
-                data = (data.replace(b"http://schemas.openxmlformats.org/wordprocessingml/2006/main",
-                                     b"http://purl.oclc.org/ooxml/wordprocessingml/main")
-                        .replace(b"http://schemas.openxmlformats.org/officeDocument/2006/relationships",
-                                 b"http://purl.oclc.org/ooxml/officeDocument/relationships"))
-            target.writestr(item, data)
-    with zipfile.ZipFile(strict) as package:
-        document = package.read("word/document.xml")
-        assert b"purl.oclc.org/ooxml/wordprocessingml" in document and b"2006/main" not in document
-    answer = await_(read("strict.docx", strict.getvalue(), tmp_path))
-    assert {s["label"]: s["text"] for s in answer["pages"]} == \
-        {s["label"]: s["text"] for s in readings["poi-headerFooter.docx"]["pages"]}
+    # Strict OOXML: Word's "Strict Open XML" files, the same parts under the ISO namespaces.
+    for name in ("openxmlsdk-Strict01.docx", "openxmlsdk-strict-CommentRangeStart.docx"):
+        document = zipfile.ZipFile(DOCS / name).read("word/document.xml")
+        assert b"purl.oclc.org/ooxml/wordprocessingml/main" in document
+        assert b"schemas.openxmlformats.org/wordprocessingml/2006/main" not in document
+    labels = [s["label"] for s in readings["openxmlsdk-Strict01.docx"]["pages"]]
+    assert "§ This is Heading 2" in labels and "table 1" in labels
+    notes = readings["openxmlsdk-strict-CommentRangeStart.docx"]["pages"]
+    assert [(s["label"], s["text"]) for s in notes] == [("section 1", "This is some text."),
+                                                         ("comments", "Terminal Server Users: some test comment")]
 
 
 def await_(coroutine):
@@ -229,8 +222,11 @@ def test_a_strict_ooxml_workbook_reads_as_its_transitional_twin(readings):
 def test_pptx_slide_by_slide_with_notes(readings):
     assert readings["poi-with_japanese.pptx"]["kind"] == "pptx"
     slides = [(s["label"], s["text"]) for s in readings["pypptx-ph-inherit-props.pptx"]["pages"]]
-    assert slides == [("slide 1", "Title Text\nBody Text\nNotes: Notes in inherited position and size."),
-                      ("slide 2", "Notes: Notes in modified position and size.")]
+    assert slides == [("slide 1", "Title Text\nBody Text\nNotes: Notes in inherited position and size.\n"
+                                  "Notes page number: 1"),
+                      ("slide 2", "Notes: Notes in modified position and size.\nNotes page number: 2")]
+    printed = readings["poi-bug58144-headers-footers-2007.pptx"]["pages"][0]["text"]
+    assert "Notes page header: Notes header" in printed and "Notes page footer: Notes footer" in printed
 
 
 def test_odt_html_markdown_csv_json_and_code_are_read(readings):

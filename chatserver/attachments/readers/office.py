@@ -132,6 +132,23 @@ def _shape_texts(shapes) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def _notes_texts(notes_slide) -> list[str]:
+    """The notes, then what else the printed notes page shows: its header, footer, date and number."""
+    from pptx.enum.shapes import PP_PLACEHOLDER
+
+    shown = {PP_PLACEHOLDER.HEADER: "header", PP_PLACEHOLDER.FOOTER: "footer", PP_PLACEHOLDER.DATE: "date",
+             PP_PLACEHOLDER.SLIDE_NUMBER: "number"}
+    texts = []
+    notes = notes_slide.notes_text_frame
+    if notes is not None and notes.text.strip():
+        texts.append("Notes: " + notes.text)
+    for shape in notes_slide.placeholders:
+        name = shown.get(shape.placeholder_format.type)
+        if name and shape.text_frame.text.strip():
+            texts.append(f"Notes page {name}: {shape.text_frame.text}")
+    return texts
+
+
 def extract_pptx(path: Path, budget: Budget) -> list[dict]:
     """Slide by slide, the slide's text and then its notes: "slide 7"."""
     open_zip(path, "presentation").close()
@@ -150,9 +167,7 @@ def extract_pptx(path: Path, budget: Budget) -> list[dict]:
         for number, slide in enumerate(deck.slides, start=1):
             texts = _shape_texts(slide.shapes)
             if slide.has_notes_slide:
-                notes = slide.notes_slide.notes_text_frame
-                if notes is not None and notes.text.strip():
-                    texts.append("Notes: " + notes.text)
+                texts.extend(_notes_texts(slide.notes_slide))
             out.add(f"slide {number}", "\n".join(texts))
     except MemoryError:
         raise
