@@ -145,6 +145,25 @@ async def test_png_webp_and_gif_lose_their_metadata_and_a_gif_keeps_its_first_fr
         assert all(abs(a - b) <= 3 for a, b in zip(pixel, (10, 200, 30, 128))), pixel
 
 
+async def test_a_phones_mpo_is_stored_as_the_jpeg_of_its_first_picture(api, client):
+    """Phones write MPO (a JPEG followed by a depth map or a preview): it was refused as "MPO"."""
+    exif = Image.Exif()
+    exif[ExifTags.Base.Make] = "Canon"
+    exif[ExifTags.IFD.GPSInfo] = GPS
+    out = io.BytesIO()
+    Image.new("RGB", (64, 32), RED).save(out, format="MPO", save_all=True, append_images=[Image.new("RGB", (64, 32), BLUE)],
+                                         exif=exif)
+    assert opened(out.getvalue()).format == "MPO"
+    conv = await api.new()
+    response = await upload(client, conv["id"], "PXL_0001.jpg", out.getvalue())
+    assert response.status_code == 201, response.text
+    assert response.json()["media_type"] == "image/jpeg"
+    data = (await client.get(f"/api/conversations/{conv['id']}/attachments/{response.json()['id']}")).content
+    assert_clean(data)
+    image = opened(data)
+    assert image.format == "JPEG" and getattr(image, "n_frames", 1) == 1 and image.getpixel((5, 5))[0] > 200
+
+
 async def test_a_100_megapixel_png_of_a_few_kb_is_422_naming_the_limit_and_the_server_stays_small(tmp_path, sim):
     bomb, heavy = png_bomb(), png_bomb(bits=8)
     assert len(bomb) < 20_000 and len(heavy) < 600_000
