@@ -193,6 +193,8 @@ export class Files {
       }).then((meta) => {
         item.meta = meta;
         if (this.convId === convId) this.list.push(meta);
+        // Its chip was removed while it uploaded: the file was stored all the same, so it goes now.
+        if (item.removed) this.remove(meta.id, convId).catch(() => {});
       }, (err) => {
         item.error = err.status === 401 ? "Sign in again to upload." : err.message;
       }).finally(() => {
@@ -234,6 +236,7 @@ export class Files {
 
   /** Take a chip off the composer; an uploaded file is deleted too (it was never sent). */
   unpend(item) {
+    item.removed = true;
     this.pending = this.pending.filter((p) => p !== item);
     this.renderStrip();
     if (item.meta) this.remove(item.meta.id).catch((err) => this.app.toast(err.message));
@@ -318,8 +321,9 @@ export class Files {
     return li;
   }
 
-  async remove(id) {
-    await api.deleteAttachment(this.convId, id);
+  async remove(id, convId = this.convId) {
+    await api.deleteAttachment(convId, id);
+    if (convId !== this.convId) return;
     this.list = this.list.filter((f) => f.id !== id);
     this.pending = this.pending.filter((p) => p.meta?.id !== id);
     this.renderStrip();

@@ -93,3 +93,21 @@ def test_a_pasted_image_removed_before_sending_is_deleted_and_a_dropped_one_show
     eventually(lambda: loaded(chips.get_by_test_id("attachment-thumb")) == 320)
     expect(chips).to_contain_text("holiday.jpg")
     expect(chips).to_contain_text("800 × 400")
+
+
+
+def test_an_image_removed_while_it_uploads_is_not_left_on_the_server(page, server, sim):
+    """Removing a chip before its upload answered took the chip away but left the file stored."""
+    conv_id = conversation_id(page)
+    held = []
+    page.route(f"**/api/conversations/{conv_id}/attachments", lambda route: held.append(route))
+    paste_image(page, page.screenshot())
+    chips = page.get_by_test_id("composer-attachments").get_by_test_id("attachment-chip")
+    expect(chips).to_have_attribute("data-state", "uploading")
+    eventually(lambda: held)
+    chips.get_by_role("button", name="Remove").click()
+    expect(chips).to_have_count(0)
+    with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith("/attachments")) as answer:
+        held[0].continue_()  # the upload now reaches the server and is stored
+    assert answer.value.status == 201
+    eventually(lambda: attachments(server, conv_id) == [])
