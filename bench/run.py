@@ -1322,30 +1322,36 @@ def run_attachments_bench(log) -> dict:
     return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
 
 
-def run_json_bench(log, script: str, area: str, timeout: int) -> dict:
-    """A benchmark script that prints one JSON object: its flat keys, or `<area>_error` saying why not."""
-    log(f"{area} benchmark (bench/{script})")
-    try:
-        done = subprocess.run([PY, str(BENCH / script)], cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE, text=True)
-    except subprocess.TimeoutExpired:
-        log(f"  {script} ran over {timeout} s and was stopped")
-        return {f"{area}_error": f"{script} ran over {timeout} s"}
-    if done.returncode != 0:
-        log(f"  {script} exited with {done.returncode}")
-        return {f"{area}_error": f"{script} exited with {done.returncode}"}
-    return {k: v for k, v in json.loads(done.stdout).items() if not isinstance(v, (dict, list))}
-
-
 def run_s3_bench(log) -> dict:
     """The S3 benchmark (bench/s3_bench.py): a 20 MiB file up to and down from a server with
     BLOB_STORE=s3 on SeaweedFS, its time and the server's peak memory, beside BLOB_STORE=files."""
-    return run_json_bench(log, "s3_bench.py", "s3", 300)
+    log("S3 benchmark (bench/s3_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "s3_bench.py")], cwd=ROOT, timeout=300,
+                              stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        log("  s3_bench.py ran over 300 s and was stopped")
+        return {"s3_error": "s3_bench.py ran over 300 s"}
+    if done.returncode != 0:
+        log(f"  s3_bench.py exited with {done.returncode}")
+        return {"s3_error": f"s3_bench.py exited with {done.returncode}"}
+    return json.loads(done.stdout)
 
 
 def run_images_bench(log) -> dict:
     """The images benchmark (bench/images_bench.py): 20 uploads of a 12-megapixel JPEG arriving
     together, the server's peak memory while they are read (in children) and the time they take."""
-    return run_json_bench(log, "images_bench.py", "images", 600)
+    log("images benchmark (bench/images_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "images_bench.py")], cwd=ROOT, timeout=600,
+                              stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        log("  images_bench.py ran over 600 s and was stopped")
+        return {"images_error": "images_bench.py ran over 600 s"}
+    if done.returncode != 0:
+        log(f"  images_bench.py exited with {done.returncode}")
+        return {"images_error": f"images_bench.py exited with {done.returncode}"}
+    return {k: v for k, v in json.loads(done.stdout).items() if not isinstance(v, (dict, list))}
 
 
 # --- Main --------------------------------------------------------------------------------------
