@@ -10,6 +10,9 @@ Behind a citation chip (issue 24): `.../passages` answers a file's passages as t
 them, and `.../pages/{n}.png` a PDF page drawn in the limited child (`viewer.py`), cached on this
 server's disk.
 
+An image (issue 25) has `.../thumbnail`: a WebP at most 320 pixels a side, drawn once in the
+limited child and kept in the blob store beside the original.
+
 Every route passes the one owner check (`deps.OwnerStoreDep`): a conversation's files are
 reached only through a conversation its owner can see, and the library is the owner's own.
 """
@@ -61,8 +64,9 @@ UPLOAD_BODY = {
 ERRORS = {
     404: {"description": "no such conversation or attachment"},
     413: {"description": "over MAX_ATTACHMENT_BYTES, or past the person's QUOTA_FILE_BYTES"},
-    415: {"description": "not a PDF, DOCX or text file"},
-    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read; or not a multipart body"},
+    415: {"description": "not a PDF, DOCX, image or text file"},
+    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read, an image over "
+                         "MAX_IMAGE_PIXELS; or not a multipart body"},
     429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
 }
 
@@ -365,15 +369,21 @@ async def _page_image(request: Request, attachments: Attachments, scope: Scope, 
         path = await attachments.page_images.image(attachments, scope, meta, int(page), person)
     except AttachmentError as exc:
         raise _fail(exc) from None
-    # no-cache: the browser keeps it but asks again (a 304 through the owner check) before showing it.
-    # An attachment id is never reused and its original never changes, so the ids name the image.
-    headers = {
-        "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
-        "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": f'"{meta["id"]}-{page}"',
-    }
-    if headers["ETag"] in request.headers.get("if-none-match", ""):
+    headers = image_headers(f'"{meta["id"]}-{page}"')
+    if not_modified(request, headers):
         return Response(status_code=304, headers=headers)
     return FileResponse(path, media_type="image/png", headers=headers)
+
+
+def image_headers(etag: str) -> dict[str, str]:
+    # no-cache: the browser keeps it but asks again (a 304 through the owner check) before showing it.
+    # An attachment id is never reused and its original never changes, so the ids name the image.
+    return {"X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
+            "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": etag}
+
+
+def not_modified(request: Request, headers: dict[str, str]) -> bool:
+    return headers["ETag"] in request.headers.get("if-none-match", "")
 
 
 Label = Annotated[str | None, Query(max_length=300, description="only the passages cited with this label")]
@@ -408,3 +418,43 @@ async def library_attachment_passages(attachment_id: str, attachments: Attachmen
 async def library_attachment_page(attachment_id: str, page: str, request: Request, attachments: AttachmentsDep,
                                   owner: OwnerDep) -> Response:
     return await _page_image(request, attachments, library_scope(owner), attachment_id, page, owner)
+
+
+# -- thumbnails of images (issue 25) ---------------------------------------------------------------
+
+THUMBNAIL_ERRORS = {
+    404: {"description": "no such conversation or attachment, or the file is not an image"},
+    422: {"description": "the thumbnail could not be drawn within EXTRACT_MAX_MB and EXTRACT_TIMEOUT"},
+    429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
+}
+
+
+async def _thumbnail(request: Request, attachments: Attachments, scope: Scope, attachment_id: str,
+                     person: str) -> Response:
+    try:
+        meta, blob = await attachments.thumbnail(scope, attachment_id, person)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    headers = image_headers(f'"{meta["id"]}-thumbnail"')
+    if not_modified(request, headers):
+        await blob.aclose()
+        return Response(status_code=304, headers=headers)
+    if blob.path is not None:
+        await blob.aclose()
+        return FileResponse(blob.path, media_type="image/webp", headers=headers)
+    return StreamingResponse(blob.chunks, media_type="image/webp",
+                             headers={**headers, "Content-Length": str(blob.size)})
+
+
+@router.get("/api/conversations/{conv_id}/attachments/{attachment_id}/thumbnail", responses=THUMBNAIL_ERRORS,
+            response_class=FileResponse)
+async def conversation_attachment_thumbnail(conv_id: ConversationDep, attachment_id: str, request: Request,
+                                            attachments: AttachmentsDep, owner: OwnerDep) -> Response:
+    """An image's thumbnail: WebP, at most 320 pixels on its longer side."""
+    return await _thumbnail(request, attachments, _conversation(conv_id), attachment_id, owner)
+
+
+@router.get("/api/library/{attachment_id}/thumbnail", responses=THUMBNAIL_ERRORS, response_class=FileResponse)
+async def library_attachment_thumbnail(attachment_id: str, request: Request, attachments: AttachmentsDep,
+                                       owner: OwnerDep) -> Response:
+    return await _thumbnail(request, attachments, library_scope(owner), attachment_id, owner)
