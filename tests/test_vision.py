@@ -8,11 +8,13 @@ import io
 import json
 
 import httpx
+import pytest
 from PIL import Image
 
 from chatserver.app import create_app
 from chatserver.config import Settings
-from gateway_sim.simulator import GatewaySimulator, images_in
+from gateway_sim.simulator import GatewaySimulator, Script, images_in, steps
+from support import PixelServer
 
 
 def models_of(lineup: dict) -> dict[str, dict]:
@@ -92,3 +94,48 @@ def test_the_simulator_reads_image_parts_of_both_formats_and_refuses_malformed_o
     assert text_only.status_code == 404 and "support image input" in text_only.json()["error"]["message"]
     assert images_in({"messages": [{"role": "user", "content": "plain"}]}) == []
 
+
+
+@pytest.fixture
+def pixels():
+    server = PixelServer()
+    yield server
+    server.close()
+
+
+async def a_reply_showing(client, sim, address: str) -> str:
+    conv = (await client.post("/api/conversations", json={})).json()
+    await client.patch(f"/api/conversations/{conv['id']}", json={"settings": {"web_search": False, "web_fetch": False}})
+    sim.enqueue(Script([steps.Text(f"Look: ![chart]({address})")]))
+    await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": "show it"})
+    return conv["id"]
+
+
+async def test_the_image_route_keeps_web_fetchs_address_rules(client, sim, pixels):
+    address = f"http://127.0.0.1:{pixels.port}/pixel.png"
+    conv_id = await a_reply_showing(client, sim, address)
+    route = f"/api/conversations/{conv_id}/remote-image"
+
+    # Production refuses private addresses, as web_fetch does: nothing reaches the loopback server.
+    refused = await client.get(route, params={"url": address})
+    assert refused.status_code == 403 and "public addresses only" in refused.json()["detail"]
+    # An address no reply of this conversation shows, and a conversation that is not the person's.
+    assert (await client.get(route, params={"url": "https://example.com/other.png"})).status_code == 404
+    assert (await client.get("/api/conversations/nosuchconv1/remote-image", params={"url": address})).status_code == 404
+    assert pixels.requests == []
+
+
+async def test_the_image_route_answers_only_raster_images_typed_by_their_bytes(client, sim, app, pixels):
+    app.state.chat.settings.fetch_allow_hosts = ["127.0.0.1"]  # as FETCH_ALLOW_HOSTS allows a test server
+    address = f"http://127.0.0.1:{pixels.port}/pixel.png"
+    conv_id = await a_reply_showing(client, sim, address)
+    route = f"/api/conversations/{conv_id}/remote-image"
+
+    shown = await client.get(route, params={"url": address})
+    assert shown.status_code == 200 and shown.headers["content-type"] == "image/png"
+    assert shown.content == pixels.png and shown.headers["x-content-type-options"] == "nosniff"
+
+    # An SVG (a document that can carry script) declared as an image is not served from our origin.
+    pixels.png, pixels.content_type = b"<svg xmlns='http://www.w3.org/2000/svg' onload='alert(1)'/>", "image/png"
+    not_raster = await client.get(route, params={"url": address})
+    assert not_raster.status_code == 502 and "not a PNG, JPEG, GIF or WebP" in not_raster.json()["detail"]

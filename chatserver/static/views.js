@@ -6,6 +6,7 @@ import { renderFacts } from "./facts.js";
 import { ActivityTrail, accumulateActivity, renderCitations } from "./activity.js";
 import { StreamingMarkdown, renderMarkdown } from "./markdown.js";
 import "./richtext.js";
+import "./remoteimage.js";
 import { button, node } from "./ui.js";
 
 const tokensFormat = new Intl.NumberFormat("en-US");
