@@ -124,7 +124,7 @@ def make_attachments(settings: Settings, shared: RedisStore | None) -> Attachmen
         max_bytes=settings.max_attachment_bytes, max_pages=settings.max_attachment_pages,
         timeout=settings.extract_timeout, max_mb=settings.extract_max_mb, workers=settings.extract_workers,
         queue=settings.extract_queue, quota_bytes=settings.quota_file_bytes,
-        mask_pii=settings.pii_masking == "on"), meta=meta, blobs=make_blobs(settings))
+        mask_pii=settings.pii_masking == "on", max_image_pixels=settings.max_image_pixels), meta=meta, blobs=make_blobs(settings))
 
 
 SHUTDOWN_STEP_SECONDS = 30.0

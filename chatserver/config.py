@@ -132,6 +132,8 @@ class Settings(BaseSettings):
     # Children reading at once (one per person at a time), and reads allowed to wait before 429.
     extract_workers: int = Field(2, ge=1)
     extract_queue: int = Field(8, ge=0)
+    # An image larger than this (width x height) is refused from its header, before it is decoded.
+    max_image_pixels: int = Field(50_000_000, gt=0)
     # Per person: the bytes of all their files (conversations' and library) and their conversations.
     quota_file_bytes: int = Field(2**30, gt=0)
     quota_conversations: int = Field(10_000, gt=0)

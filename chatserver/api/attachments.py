@@ -10,6 +10,9 @@ Behind a citation chip (issue 24): `.../passages` answers a file's passages as t
 them, and `.../pages/{n}.png` a PDF page drawn in the limited child (`viewer.py`), cached on this
 server's disk.
 
+An image (issue 25) has `.../thumbnail`: a WebP at most 320 pixels a side, drawn once in the
+limited child and kept in the blob store beside the original.
+
 Every route passes the one owner check (`deps.OwnerStoreDep`): a conversation's files are
 reached only through a conversation its owner can see, and the library is the owner's own.
 """
@@ -61,8 +64,9 @@ UPLOAD_BODY = {
 ERRORS = {
     404: {"description": "no such conversation or attachment"},
     413: {"description": "over MAX_ATTACHMENT_BYTES, or past the person's QUOTA_FILE_BYTES"},
-    415: {"description": "not a PDF, DOCX or text file"},
-    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read; or not a multipart body"},
+    415: {"description": "not a PDF, DOCX, image or text file"},
+    422: {"description": "encrypted, damaged, image-only, empty, too big or too slow to read, an image over "
+                         "MAX_IMAGE_PIXELS; or not a multipart body"},
     429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
 }
 
@@ -408,3 +412,48 @@ async def library_attachment_passages(attachment_id: str, attachments: Attachmen
 async def library_attachment_page(attachment_id: str, page: str, request: Request, attachments: AttachmentsDep,
                                   owner: OwnerDep) -> Response:
     return await _page_image(request, attachments, library_scope(owner), attachment_id, page, owner)
+
+
+# -- thumbnails of images (issue 25) ---------------------------------------------------------------
+
+THUMBNAIL_ERRORS = {
+    404: {"description": "no such conversation or attachment, or the file is not an image"},
+    422: {"description": "the thumbnail could not be drawn within EXTRACT_MAX_MB and EXTRACT_TIMEOUT"},
+    429: {"description": "EXTRACT_QUEUE files are already waiting to be read"},
+}
+
+
+async def _thumbnail(request: Request, attachments: Attachments, scope: Scope, attachment_id: str,
+                     person: str) -> Response:
+    try:
+        meta, blob = await attachments.thumbnail(scope, attachment_id, person)
+    except AttachmentError as exc:
+        raise _fail(exc) from None
+    # As for a page image: kept by the browser, asked for again through the owner check (an id is
+    # never reused and an image never changes, so the id names the thumbnail).
+    headers = {
+        "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
+        "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": f'"{meta["id"]}-thumbnail"',
+    }
+    if headers["ETag"] in request.headers.get("if-none-match", ""):
+        await blob.aclose()
+        return Response(status_code=304, headers=headers)
+    if blob.path is not None:
+        await blob.aclose()
+        return FileResponse(blob.path, media_type="image/webp", headers=headers)
+    return StreamingResponse(blob.chunks, media_type="image/webp",
+                             headers={**headers, "Content-Length": str(blob.size)})
+
+
+@router.get("/api/conversations/{conv_id}/attachments/{attachment_id}/thumbnail", responses=THUMBNAIL_ERRORS,
+            response_class=FileResponse)
+async def conversation_attachment_thumbnail(conv_id: ConversationDep, attachment_id: str, request: Request,
+                                            attachments: AttachmentsDep, owner: OwnerDep) -> Response:
+    """An image's thumbnail: WebP, at most 320 pixels on its longer side."""
+    return await _thumbnail(request, attachments, _conversation(conv_id), attachment_id, owner)
+
+
+@router.get("/api/library/{attachment_id}/thumbnail", responses=THUMBNAIL_ERRORS, response_class=FileResponse)
+async def library_attachment_thumbnail(attachment_id: str, request: Request, attachments: AttachmentsDep,
+                                       owner: OwnerDep) -> Response:
+    return await _thumbnail(request, attachments, library_scope(owner), attachment_id, owner)

@@ -37,6 +37,11 @@ CHUNK_BYTES = 64 * 1024  # one piece of a download
 # One part of a multipart upload: S3's smallest part (but the last) is 5 MiB.
 PART_BYTES = 5 * 1024 * 1024
 KEY_PREFIX = "attachments/"
+# What is kept of one attachment: its original and, for an image, the thumbnail drawn from it
+# (issue 25). Deleting an attachment deletes every part.
+ORIGINAL = "original"
+THUMBNAIL = "thumbnail"
+PARTS = (ORIGINAL, THUMBNAIL)
 
 
 class BlobMissing(AttachmentError):
@@ -74,14 +79,15 @@ class Blobs(Protocol):
     async def start(self) -> None:
         """Make ready (S3: create the bucket when missing); BlobsUnavailable when it cannot."""
 
-    async def put(self, scope_key: str, attachment_id: str, source: Path, *, consume: bool = False) -> None:
-        """Store the file at `source` as this original; `consume`: the file may be moved away."""
+    async def put(self, scope_key: str, attachment_id: str, source: Path, *, consume: bool = False,
+                  part: str = ORIGINAL) -> None:
+        """Store the file at `source` as this original (or `part`); `consume`: the file may be moved away."""
 
-    async def open(self, scope_key: str, attachment_id: str) -> Blob:
-        """The original's bytes; BlobMissing when there is none."""
+    async def open(self, scope_key: str, attachment_id: str, part: str = ORIGINAL) -> Blob:
+        """The original's (or `part`'s) bytes; BlobMissing when there is none."""
 
     async def delete(self, scope_key: str, attachment_id: str) -> None:
-        """Remove one original (nothing when it is already gone)."""
+        """Remove one original and its other parts (nothing when they are already gone)."""
 
     async def delete_scope(self, scope_key: str) -> None:
         """Remove every original of a scope."""
@@ -89,28 +95,32 @@ class Blobs(Protocol):
     async def close(self) -> None: ...
 
 
-def object_key(scope_key: str, attachment_id: str) -> str:
-    return f"{KEY_PREFIX}{scope_key}/{attachment_id}"
+def object_key(scope_key: str, attachment_id: str, part: str = ORIGINAL) -> str:
+    # A part other than the original is a sibling object (`<id>.thumbnail`), never `<id>/...`: some
+    # S3 services keep objects as files, where `<id>` cannot be a file and a directory at once.
+    suffix = "" if part == ORIGINAL else f".{part}"
+    return f"{KEY_PREFIX}{scope_key}/{attachment_id}{suffix}"
 
 
 # -- files -------------------------------------------------------------------------------------
 
 class FileBlobs:
-    """`<root>/<scope key>/<id>/original`: today's layout, beside the file metadata store's
-    `meta.json` and `pages.json` (which decide whether the attachment exists)."""
+    """`<root>/<scope key>/<id>/original` (and `thumbnail`): today's layout, beside the file
+    metadata store's `meta.json` and `pages.json` (which decide whether the attachment exists)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.where = f"files:{root.resolve()}"
 
-    def _path(self, scope_key: str, attachment_id: str) -> Path:
-        return self.root / scope_key / attachment_id / "original"
+    def _path(self, scope_key: str, attachment_id: str, part: str = ORIGINAL) -> Path:
+        return self.root / scope_key / attachment_id / part
 
     async def start(self) -> None:
         pass
 
-    async def put(self, scope_key: str, attachment_id: str, source: Path, *, consume: bool = False) -> None:
-        await asyncio.to_thread(self._put, self._path(scope_key, attachment_id), source, consume)
+    async def put(self, scope_key: str, attachment_id: str, source: Path, *, consume: bool = False,
+                  part: str = ORIGINAL) -> None:
+        await asyncio.to_thread(self._put, self._path(scope_key, attachment_id, part), source, consume)
 
     @staticmethod
     def _put(target: Path, source: Path, consume: bool) -> None:
@@ -131,8 +141,8 @@ class FileBlobs:
             Path(name).unlink(missing_ok=True)
             raise
 
-    async def open(self, scope_key: str, attachment_id: str) -> Blob:
-        path = self._path(scope_key, attachment_id)
+    async def open(self, scope_key: str, attachment_id: str, part: str = ORIGINAL) -> Blob:
+        path = self._path(scope_key, attachment_id, part)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -140,10 +150,10 @@ class FileBlobs:
         return Blob(size, _file_chunks(path), path)
 
     async def delete(self, scope_key: str, attachment_id: str) -> None:
-        path = self._path(scope_key, attachment_id)
-        path.unlink(missing_ok=True)
+        for part in PARTS:
+            self._path(scope_key, attachment_id, part).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty: the file metadata store still keeps its files there
-            path.parent.rmdir()
+            (self.root / scope_key / attachment_id).rmdir()
 
     async def delete_scope(self, scope_key: str) -> None:
         directory = self.root / scope_key
@@ -267,10 +277,11 @@ class S3Blobs:
                 if self._code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
 
-    async def put(self, scope_key: str, attachment_id: str, source: Path, *, consume: bool = False) -> None:
+    async def put(self, scope_key: str, attachment_id: str, source: Path, *, consume: bool = False,
+                  part: str = ORIGINAL) -> None:
         """One PutObject for a file of at most PART_BYTES, else a multipart upload of PART_BYTES
         parts; each body is read from the file as it is sent (FileSlice), never held whole."""
-        key = object_key(scope_key, attachment_id)
+        key = object_key(scope_key, attachment_id, part)
         with self._failures():
             s3 = await self._s3()
             size = source.stat().st_size
@@ -296,16 +307,17 @@ class S3Blobs:
                                                                    UploadId=upload_id))
                 raise
 
-    async def open(self, scope_key: str, attachment_id: str) -> Blob:
+    async def open(self, scope_key: str, attachment_id: str, part: str = ORIGINAL) -> Blob:
         with self._failures(missing=True):
             s3 = await self._s3()
-            answer = await s3.get_object(Bucket=self.bucket, Key=object_key(scope_key, attachment_id))
+            answer = await s3.get_object(Bucket=self.bucket, Key=object_key(scope_key, attachment_id, part))
         return Blob(int(answer["ContentLength"]), _body_chunks(answer["Body"]))
 
     async def delete(self, scope_key: str, attachment_id: str) -> None:
         with self._failures():
             s3 = await self._s3()
-            await s3.delete_object(Bucket=self.bucket, Key=object_key(scope_key, attachment_id))
+            await s3.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": object_key(scope_key, attachment_id, part)} for part in PARTS], "Quiet": True})
 
     async def delete_scope(self, scope_key: str) -> None:
         """Every object under the scope's prefix, listed and deleted a page (up to 1,000) at a time."""

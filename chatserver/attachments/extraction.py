@@ -85,7 +85,7 @@ BINARY_MAGIC = (
     b"Rar!", OLE_MAGIC, b"\x7fELF", b"MZ", b"II*\x00", b"MM\x00*", b"OggS", b"fLaC", b"ID3",
 )
 ACCEPTED = ("PDF, Word (.docx .docm .dotx), Excel (.xlsx), PowerPoint (.pptx), OpenDocument text (.odt), "
-            "or a UTF-8 text file (.txt .md .html .csv .json, source code, ...)")
+            "an image (PNG, JPEG, WebP, GIF) or a UTF-8 text file (.txt .md .html .csv .json, source code, ...)")
 # Media types of the kinds that are not text-like (those take TEXT_TYPES by extension).
 MEDIA_TYPES = {
     "pdf": "application/pdf",
@@ -136,11 +136,13 @@ def _package_kind(path: Path) -> str | None:
 
 
 def detect(path: Path, name: str) -> str:
-    """The reader for a file: "pdf", "docx", "xlsx", "pptx", "odt", "html", "markdown" or "text",
-    from the content first and the extension second; Unsupported otherwise."""
+    """The reader for a file: "pdf", "docx", "xlsx", "pptx", "odt", "html", "markdown", "text" or
+    "image", from the content first and the extension second; Unsupported otherwise."""
     with open(path, "rb") as f:
         head = f.read(1024)
     ext = extension(name)
+    if _reader("image").is_image(head):
+        return "image"
     # Readers accept a PDF header after a little junk, but a script that merely mentions "%PDF-"
     # is not a PDF: only a .pdf gets that leeway, and a .pdf with no header at all is tried too
     # (poppler reads such files; the PDF reader puts the header back).
@@ -181,6 +183,11 @@ def read_file(request: dict) -> dict:
         kind = detect(path, name)
         warnings: list[str] = []
         title = None
+        if kind == "image":  # pixels, no text: cleaned into `image_out`, which the server stores
+            if not request.get("image_out"):
+                raise Unsupported("this is an image, not a file with text")
+            image = _reader("image").clean(path, Path(request["image_out"]), request["max_image_pixels"])
+            return {"kind": kind, "pages": [], "total": 0, "title": None, "warnings": [], "image": image}
         if kind == "pdf":
             pages, total, title, warnings = _reader("pdf").extract_pdf(path, request["max_pages"], budget)
         else:
@@ -232,11 +239,22 @@ def _limit_self(max_mb: int, cpu_seconds: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a reader that aborts leaves no core file
 
 
+def draw_thumbnail(request: dict) -> dict:
+    """A stored image's thumbnail written to `out`: {"thumbnail": {...}}, or a refusal as `read_file` gives."""
+    try:
+        return {"thumbnail": _reader("image").thumbnail(Path(request["path"]), Path(request["out"]),
+                                                        request["max_image_pixels"])}
+    except AttachmentError as exc:
+        return {"status": exc.status, "error": str(exc).replace(request["path"], "the file")}
+    except MemoryError:
+        return {"status": 422, "error": _too_big(request["max_mb"])}
+
+
 def child_main() -> None:
     request = orjson.loads(sys.stdin.buffer.read())
     _limit_self(request["max_mb"], request["cpu_seconds"])
     try:
-        answer = read_file(request)
+        answer = draw_thumbnail(request) if request.get("op") == "thumbnail" else read_file(request)
     except Exception as exc:  # a reader's own bug: say what kind, log the rest through stderr
         import traceback
 
@@ -259,15 +277,29 @@ class Extractor:
         self._entered: dict[str, int] = {}  # per person: reads running or waiting
         self.waiting = 0
         self.running = 0
+        self.started = 0  # children started, ever
 
-    async def run(self, path: Path, name: str, *, max_pages: int, max_chars: int) -> dict:
+    async def run(self, path: Path, name: str, *, max_pages: int, max_chars: int, image_out: Path | None = None,
+                  max_image_pixels: int = 0) -> dict:
         """{"kind", "pages", "total", "title"} for the file at `path`; AttachmentError otherwise.
+        An image answers "image" ({"format", "media_type", "width", "height"}) and has been written,
+        cleaned, to `image_out`; without `image_out` an image is Unsupported.
 
         Call it inside `turn`, which decides when a child may start.
         """
         return await self._run({"path": str(path), "name": name, "max_pages": max_pages,
-                                "max_chars": max_chars, "max_mb": self.max_mb,
-                                "cpu_seconds": math.ceil(self.timeout) + CPU_GRACE_SECONDS})
+                                "max_chars": max_chars, "image_out": image_out and str(image_out),
+                                "max_image_pixels": max_image_pixels, **self._limits()})
+
+    async def thumbnail(self, path: Path, out: Path, max_image_pixels: int) -> dict:
+        """Draw the thumbnail of the stored image at `path` into `out`: {"media_type", "width",
+        "height"}; AttachmentError otherwise. Call it inside `turn`."""
+        answer = await self._run({"op": "thumbnail", "path": str(path), "out": str(out),
+                                  "max_image_pixels": max_image_pixels, **self._limits()})
+        return answer["thumbnail"]
+
+    def _limits(self) -> dict:
+        return {"max_mb": self.max_mb, "cpu_seconds": math.ceil(self.timeout) + CPU_GRACE_SECONDS}
 
     @asynccontextmanager
     async def turn(self, person: str) -> AsyncIterator[None]:
@@ -297,6 +329,7 @@ class Extractor:
                 del self._entered[person], self._people[person]
 
     async def _run(self, request: dict) -> dict:
+        self.started += 1
         # -E -s: no PYTHON* variables and no user site; the child gets no environment, so none of
         # the server's secrets either.
         process = await asyncio.create_subprocess_exec(

@@ -43,7 +43,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from chatserver.attachments.blobs import Blob, BlobMissing, Blobs, BlobsUnavailable, FileBlobs  # noqa: F401
+from chatserver.attachments.blobs import (  # noqa: F401
+    THUMBNAIL,
+    Blob,
+    BlobMissing,
+    Blobs,
+    BlobsUnavailable,
+    FileBlobs,
+)
 from chatserver.attachments.extraction import (  # noqa: F401  (the errors are this module's too)
     ACCEPTED,
     MEDIA_TYPES,
@@ -82,6 +89,26 @@ NO_CONTEXT = ("There are no attachments in this context: this tool only works in
 
 class AttachmentNotFound(AttachmentError):
     status = 404
+
+
+IMAGE = "image"  # the stored meta's `kind` of an image (issue 25)
+
+
+def is_image(meta: dict) -> bool:
+    return meta.get("kind") == IMAGE
+
+
+@dataclass(frozen=True, slots=True)
+class StoredImage:
+    """One stored image as a turn or a tool sends it on: already clean (no metadata, upright)."""
+
+    id: str
+    name: str
+    media_type: str  # image/png, image/jpeg, image/webp or image/gif
+    width: int
+    height: int
+    data: bytes
+    source: str  # "conversation" | "library"
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +373,7 @@ class Limits:
     queue: int = 8  # EXTRACT_QUEUE
     quota_bytes: int = 2**30  # QUOTA_FILE_BYTES, per person: conversations' files and library together
     mask_pii: bool = False  # PII_MASKING=on: the text kept (and read to the model) is masked
+    max_image_pixels: int = 50_000_000  # MAX_IMAGE_PIXELS: a larger image is refused before it is decoded
 
     @property
     def max_chars(self) -> int:
@@ -424,9 +452,12 @@ class Attachments:
         """Read `upload` (a temporary file this call consumes) and store it; AttachmentError otherwise.
 
         `person`'s uploads are read one at a time; `fits`, checked in that turn, refuses one that
-        would pass the person's quota.
+        would pass the person's quota. An image is stored as the child cleaned it (no metadata,
+        upright), never as it arrived.
         """
         display = sanitize_name(name)
+        fd, cleaned = self.incoming_file()  # where the child writes an image's clean copy
+        os.close(fd)
         try:
             size = upload.stat().st_size
             if size > self.limits.max_bytes:
@@ -437,8 +468,13 @@ class Attachments:
                 if fits is not None:
                     await fits(size)
                 read = await self.extractor.run(upload, display, max_pages=self.limits.max_pages,
-                                                max_chars=self.limits.max_chars)
+                                                max_chars=self.limits.max_chars, image_out=cleaned,
+                                                max_image_pixels=self.limits.max_image_pixels)
                 kind, pages, total = read["kind"], read["pages"], read["total"]
+                if kind == "image":
+                    meta = await self._image_meta(display, read["image"], size, cleaned, fits)
+                    await self._commit(scope, meta, [], cleaned)
+                    return public(meta)
                 if self.limits.mask_pii:
                     pages = await asyncio.get_running_loop().run_in_executor(self._executor, _masked_pages, pages)
                 meta = {
@@ -452,7 +488,19 @@ class Attachments:
                 await self._commit(scope, meta, pages, upload)
         finally:
             upload.unlink(missing_ok=True)
+            cleaned.unlink(missing_ok=True)
         return public(meta)
+
+    async def _image_meta(self, display: str, image: dict, size: int, cleaned: Path,
+                          fits: RoomCheck | None) -> dict:
+        stored = cleaned.stat().st_size
+        if stored > size and fits is not None:
+            await fits(stored)  # the clean copy is what counts against the quota
+        return {
+            "id": new_id(), "name": display, "media_type": image["media_type"], "bytes": stored,
+            "pages": None, "chars": 0, "created_at": now_iso(), "kind": IMAGE, "sections": 0, "warnings": [],
+            "width": image["width"], "height": image["height"], "format": image["format"],
+        }
 
     async def _commit(self, scope: Scope, meta: dict, pages: list[dict], upload: Path) -> None:
         """The original first, then the metadata and pages, whose storing is the file appearing:
@@ -492,6 +540,64 @@ class Attachments:
         """The attachment's meta and its original's bytes (to be read or closed); AttachmentNotFound otherwise."""
         meta = await self.get(scope, attachment_id)
         return meta, await self.blobs.open(scope.key, meta["id"])
+
+    async def image(self, scope: Scope, attachment_id: str) -> StoredImage:
+        """The image `attachment_id` of `scope`, its bytes read whole (at most MAX_ATTACHMENT_BYTES);
+        AttachmentNotFound when the scope has no such image (a document's id included)."""
+        meta = await self.get(scope, attachment_id)
+        if not is_image(meta):
+            raise AttachmentNotFound("image not found")
+        blob = await self.blobs.open(scope.key, meta["id"])
+        try:
+            data = b"".join([chunk async for chunk in blob.chunks])
+        finally:
+            await blob.aclose()
+        return StoredImage(meta["id"], meta["name"], meta["media_type"], meta["width"], meta["height"], data,
+                           scope.source)
+
+    async def thumbnail(self, scope: Scope, attachment_id: str, person: str) -> tuple[dict, Blob]:
+        """The image's thumbnail (WebP, at most 320 pixels a side), drawn from the stored
+        image in the limited child the first time it is asked for and kept in the blob store beside
+        the original; AttachmentNotFound for a file that is not an image of `scope`."""
+        meta = await self.get(scope, attachment_id)
+        if not is_image(meta):
+            raise AttachmentNotFound("this file is not an image")
+        with contextlib.suppress(BlobMissing):
+            return meta, await self.blobs.open(scope.key, meta["id"], THUMBNAIL)
+        async with self.extractor.turn(person):
+            with contextlib.suppress(BlobMissing):  # drawn while this request waited
+                return meta, await self.blobs.open(scope.key, meta["id"], THUMBNAIL)
+            await self._draw_thumbnail(scope, meta)
+        return meta, await self.blobs.open(scope.key, meta["id"], THUMBNAIL)
+
+    async def _draw_thumbnail(self, scope: Scope, meta: dict) -> None:
+        _, blob = await self.original(scope, meta["id"])
+        fd, name = self.incoming_file()
+        os.close(fd)
+        out, copy = Path(name), None
+        try:
+            if blob.path is not None:
+                source = blob.path
+            else:  # from S3: the child reads a file, so the original is spooled to one first
+                fd, copy_name = self.incoming_file()
+                copy = Path(copy_name)
+                with os.fdopen(fd, "wb") as f:
+                    async for chunk in blob.chunks:
+                        await asyncio.to_thread(f.write, chunk)
+                source = copy
+            await blob.aclose()
+            await self.extractor.thumbnail(source, out, self.limits.max_image_pixels)
+            await self.blobs.put(scope.key, meta["id"], out, consume=True, part=THUMBNAIL)
+        finally:
+            await blob.aclose()
+            out.unlink(missing_ok=True)
+            if copy is not None:
+                copy.unlink(missing_ok=True)
+        try:
+            await self.get(scope, meta["id"])
+        except AttachmentNotFound:  # deleted while it was drawn: its thumbnail goes too
+            await self.blobs.delete(scope.key, meta["id"])
+            raise
 
     async def pages(self, scope: Scope, attachment_id: str) -> list[dict]:
         meta = await self.get(scope, attachment_id)
@@ -565,6 +671,9 @@ def public(meta: dict) -> dict:
     if "pages_read" in meta:
         out["pages_read"] = meta["pages_read"]
     out["warnings"] = meta.get("warnings", [])
+    out["kind"] = IMAGE if is_image(meta) else "document"
+    if is_image(meta):
+        out["width"], out["height"] = meta["width"], meta["height"]
     return out
 
 
@@ -598,11 +707,61 @@ def attachment_context(attachments: Attachments, conversation_id: str, owner: st
 
 
 def _pages_word(meta: dict) -> str:
+    if is_image(meta):
+        return image_words(meta)
     if meta.get("pages") is not None:
         read = meta.get("pages_read")
         return f"{meta['pages']} pages" + (f", first {read} read" if read else "")
     count = meta.get("sections", 1)
     return f"{count} section{'s' if count != 1 else ''}"
+
+
+def image_words(meta: dict) -> str:
+    """How a prompt or a tool names an image: "image, 1024 × 768 JPEG"."""
+    return f"image, {meta['width']} × {meta['height']} {meta.get('format') or meta['media_type']}"
+
+
+def _no_text(meta: dict) -> str:
+    return f"{meta['name']} is an image ({image_words(meta).removeprefix('image, ')}): it has no text to read."
+
+
+async def turn_image(image_id: str) -> StoredImage:
+    """The image `image_id` among the files the running turn can see (`attachment_scope`: this
+    conversation's, and the library's when the conversation enables it), bytes included.
+
+    AttachmentNotFound ("image not found") for anything else: an id of another conversation or
+    person, a document's id, a deleted file, or no turn running. The one owner check for images a
+    tool is asked about: the scope comes from the turn, never from the model.
+    """
+    scope = attachment_scope.get()
+    if scope is None or not valid_id(image_id):
+        raise AttachmentNotFound("image not found")
+    listed = await scope.attachments.list_many(scope.scopes)
+    for s in scope.scopes:
+        if any(m["id"] == image_id and is_image(m) for m in listed[s.key]):
+            return await scope.attachments.image(s, image_id)
+    raise AttachmentNotFound("image not found")
+
+
+async def message_image_metas(attachments: Attachments, conversation_id: str,
+                              attachment_ids: Iterable[str]) -> list[dict]:
+    """The stored meta of the images among a user message's `attachment_ids`, in the message's
+    order; documents and files deleted since are left out. No bytes are read."""
+    scope = conversation_scope(conversation_id)
+    by_id = {m["id"]: m for m in await attachments.list(scope)}
+    return [by_id[i] for i in attachment_ids if i in by_id and is_image(by_id[i])]
+
+
+async def message_images(attachments: Attachments, conversation_id: str,
+                         attachment_ids: Iterable[str]) -> list[StoredImage]:
+    """The images a user message was sent with (its `attachment_ids`), bytes included, in order;
+    one deleted meanwhile is left out."""
+    scope = conversation_scope(conversation_id)
+    out = []
+    for meta in await message_image_metas(attachments, conversation_id, attachment_ids):
+        with contextlib.suppress(AttachmentNotFound, BlobMissing):
+            out.append(await attachments.image(scope, meta["id"]))
+    return out
 
 
 async def attachment_listing(scope: AttachmentScope | None) -> str:
@@ -645,7 +804,10 @@ async def search_attachments(query: str) -> AttachmentToolResult:
         return AttachmentToolResult("No files are attached to this conversation.", "no files")
     hits = await scope.attachments.search(scope.scopes, query)
     if not hits:
-        return AttachmentToolResult(f"No passage in the attached files matches {query!r}.", "no match")
+        images = [m["name"] for metas in listed.values() for m in metas if is_image(m)]
+        note = (f" {', '.join(images)} {'is an image' if len(images) == 1 else 'are images'}, which "
+                "search cannot read.") if images else ""
+        return AttachmentToolResult(f"No passage in the attached files matches {query!r}.{note}", "no match")
     blocks = [f"[{n}] {_where(p)} ({p.source})\n{p.text}" for n, p in enumerate(hits, start=1)]
     citations = []
     for p in hits:
@@ -714,6 +876,8 @@ async def read_attachment(name: str, start_page: int = 1, end_page: int | None =
         return AttachmentToolResult(f"No attached file is called {name!r}. Attached files: {listing}.",
                                     "no such file")
     where, meta = found
+    if is_image(meta):
+        return AttachmentToolResult(_no_text(meta), f"{meta['name']} is an image")
     try:
         pages = await scope.attachments.pages(where, meta["id"])
     except AttachmentNotFound:
