@@ -42,7 +42,8 @@ import tiktoken
 import uvicorn
 
 __all__ = [
-    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "ImageSeen", "Raw", "Reasoning",
+    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "ImageOut", "ImageSeen", "Raw",
+    "Reasoning",
     "RecordedRequest", "Script", "Search", "Sleep", "StreamError", "Text", "ToolCall", "Usage", "cache_account",
     "errors", "estimate_tokens", "steps",
 ]
@@ -204,7 +205,16 @@ class ToolCall:
         return [raw[i:i + self.chunk_chars] for i in range(0, len(raw), self.chunk_chars)]
 
 
-Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall
+@dataclass(frozen=True)
+class ImageOut:
+    """An image the model returns as output: chat `delta.images` (OpenRouter's image generation,
+    a data URL); Messages has no such block, so nothing there."""
+
+    data: bytes
+    media_type: str = "image/png"
+
+
+Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall | ImageOut
 
 
 class steps:
@@ -217,6 +227,7 @@ class steps:
     Search = Search
     Fetch = Fetch
     Cite = Cite
+    ImageOut = ImageOut
     Close = Close
     StreamError = StreamError
     ToolCall = ToolCall
@@ -931,6 +942,9 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                 for piece in _pieces(step.text, step.chunk_size):
                     await _pause(script.chunk_delay)
                     yield chunk({"content": None, step.field: piece})
+            case ImageOut():
+                url = f"data:{step.media_type};base64,{base64.b64encode(step.data).decode('ascii')}"
+                yield chunk({"images": [{"type": "image_url", "image_url": {"url": url}, "index": 0}]})
             case Sleep():
                 await asyncio.sleep(step.seconds)
             case Raw():
@@ -1298,6 +1312,7 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
 _URL = re.compile(r"https?://[^\s<>\"'`)\]]+")
 _REMEMBER = re.compile(r"\bremember\b(?:\s+that)?[\s:,]+(.+)", re.I)
 _SEARCH = re.compile(r"^\s*search(?:\s+the\s+web)?(?:\s+for)?[\s:,]+(.+)", re.I)
+_IMAGE_NOTE = re.compile(r"\[Attached image [^\]]*?\(id ([A-Za-z0-9_-]{1,64}),[^\]]*\]")
 _ABOUT_FILES = re.compile(r"\b(files?|attach\w*|documents?|pdfs?|docx?|uploads?|uploaded|report|paper)\b", re.I)
 
 
@@ -1357,6 +1372,11 @@ def _demo_call(messages: list, client_tools: list[str]) -> ToolCall | None:
         return ToolCall("web_fetch", {"url": match.group(0).rstrip(".,;:!?")})
     if "web_search" in client_tools and (match := _SEARCH.search(text)):
         return ToolCall("web_search", {"query": match.group(1).strip()[:200]})
+    # Declared only for a model that cannot see, when the conversation has images: the server's
+    # note about an attached image gives its id.
+    if "analyze_image" in client_tools and (match := _IMAGE_NOTE.search(text)):
+        question = " ".join(_IMAGE_NOTE.sub(" ", text).split())[:400] or "What does this image show?"
+        return ToolCall("analyze_image", {"image_id": match.group(1), "question": question})
     # Declared only when the conversation has files: a message about them searches them.
     if "search_attachments" in client_tools and _ABOUT_FILES.search(text):
         return ToolCall("search_attachments", {"query": " ".join(text.split()[:12])[:400]})
