@@ -148,16 +148,21 @@ async def serve(settings: Settings):
             yield app, client
 
 
+def png(width: int, height: int, color: str = "red") -> bytes:
+    """A PNG of one colour, made with Pillow."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, "PNG")
+    return out.getvalue()
+
+
 class PixelServer:
     """A real HTTP server on loopback answering every GET with one body (a 3×2 PNG unless changed),
     counting every request it gets."""
 
     def __init__(self) -> None:
-        from PIL import Image
-
-        out = io.BytesIO()
-        Image.new("RGB", (3, 2), "blue").save(out, "PNG")
-        self.png = out.getvalue()
+        self.png = png(3, 2, "blue")
         self.content_type = "image/png"
         self.requests: list[dict] = []
         owner = self

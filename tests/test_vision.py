@@ -4,27 +4,19 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 
 import httpx
 import pytest
-from PIL import Image
 
 from chatserver.app import create_app
 from chatserver.config import Settings
 from gateway_sim.simulator import GatewaySimulator, Script, Usage, images_in, steps
-from support import PixelServer, parse_sse
+from support import PixelServer, parse_sse, png
 
 
 def models_of(lineup: dict) -> dict[str, dict]:
     return {m["id"]: m for t in lineup["tiers"] for m in t["models"]}
-
-
-def png(width: int, height: int, color: str = "red") -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, "PNG")
-    return out.getvalue()
 
 
 async def test_vision_comes_from_the_gateways_model_list_and_vision_models(tmp_path):

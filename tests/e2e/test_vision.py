@@ -7,7 +7,7 @@ from playwright.sync_api import expect
 
 from gateway_sim.simulator import Script, steps
 from pagekit import Server, assistant_messages, eventually, send
-from support import PixelServer
+from support import PixelServer, png
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,17 @@ def test_a_custom_model_is_marked_as_seeing_in_settings(page, server):
     eventually(lambda: vision() is False)
     # A built-in model the gateway lists with image input shows it too.
     expect(dialog.locator("#model-lineup li", has_text="openai/gpt-5-mini")).to_contain_text("sees images")
+
+
+def test_an_image_the_model_returns_shows_in_the_reply_and_after_reload(page, server, sim):
+    sim.enqueue(Script([steps.Text("Here it is:"), steps.ImageOut(png(12, 8, "blue"))]))
+    send(page, "draw a small blue box")
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    image = reply.get_by_test_id("reply-image")
+    expect(image).to_be_visible()
+    page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
+    page.reload()
+    again = assistant_messages(page).last.get_by_test_id("reply-image")
+    expect(again).to_be_visible()
+    page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=again.element_handle())
