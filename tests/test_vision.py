@@ -310,3 +310,18 @@ async def test_an_image_the_model_returns_is_kept_as_the_replys_attachment(clien
     assert [a["id"] for a in listed] == [attached["id"]]
     thumbnail = await client.get(f"/api/conversations/{conv_id}/attachments/{attached['id']}/thumbnail")
     assert thumbnail.status_code == 200
+
+
+async def test_the_demo_gateway_answers_about_an_attached_image(tmp_path):
+    # No GATEWAY_BASE_URL: the built-in demo, whose model list says the default model sees.
+    app = create_app(Settings(_env_file=None, data_dir=tmp_path / "data"))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1",
+                                     timeout=30) as client:
+            assert models_of((await client.get("/api/models")).json())["openai/gpt-5-mini"]["vision"] is True
+            conv_id = await conversation(client, "openai/gpt-5-mini")
+            aid = await attach(client, conv_id, png(2000, 500, "purple"), "banner.png")
+            events = await say(client, conv_id, "What is this?", [aid])
+    reply = "".join(data["text"] for name, data in events if name == "delta")
+    assert "SIMULATED look at an image" in reply
+    assert "a PNG image of 1568×392 pixels" in reply  # as sent: scaled to IMAGE_MAX_EDGE

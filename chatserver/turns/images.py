@@ -99,7 +99,8 @@ def scale_now(data: bytes, media_type: str, max_edge: int) -> Scaled:
             image.draft("RGB", target)  # decode at 1/2, 1/4 or 1/8 size: far less work and memory
         image.seek(0)
         frame = image.convert("RGBA" if image.mode in ("RGBA", "LA", "P", "PA") else "RGB")
-    small = frame.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    # Bicubic: 39 ms of CPU against Lanczos's 58 for a 12 MP photo drafted to 2000 x 1500 (bench/vision_bench.py).
+    small = frame.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
     out = io.BytesIO()
     if fmt == "JPEG":
         small.convert("RGB").save(out, "JPEG", quality=JPEG_QUALITY)
