@@ -6,13 +6,15 @@ images. Each pair of turns, in alternating order, is one turn carrying a freshly
 3000 JPEG (a new conversation and a new file each time, so its scaling to IMAGE_MAX_EDGE is
 included: nothing is cached) and the same turn without it. Time to first token is read at the
 client, from the POST to the first `delta` event of the stream; the simulator answers every
-request at once with the same short reply. The server process's CPU time per turn (user +
-system, from /proc) is measured beside it, since the machine is shared.
+request at once with the same short reply. The server's CPU time per turn (user + system of the
+process and of the child that scales the image, from /proc) is measured beside it, since the
+machine is shared and wall time there mostly measures the other load.
 
 Prints one JSON object and writes bench/results_images_vision.json:
 - `vision_ttft_ms_p50_text` / `_image`, `vision_ttft_added_ms_p50` (and p90): wall time.
-- `vision_turn_cpu_ms_p50_text` / `_image`, `vision_turn_cpu_added_ms_p50`: the server's CPU time.
-- `vision_jpeg_bytes`, `vision_sent_image_bytes` (the scaled JPEG as the model receives it),
+- `vision_turn_cpu_ms_p50_text` / `_image`, `vision_turn_cpu_added_ms_p50`: the server's CPU time,
+  its children's included.
+- `vision_jpeg_bytes`, `vision_sent_image_bytes` (the scaled image as the model receives it),
   `vision_sent_edge`: what went upstream.
 
     .venv/bin/python bench/vision_bench.py [pairs]
@@ -60,8 +62,9 @@ def photo() -> bytes:
 
 
 def cpu_seconds(pid: int) -> float:
+    """The process's CPU time, its finished children's included (the image is scaled in one)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    return sum(int(f) for f in fields[11:15]) / TICKS  # utime, stime, cutime, cstime
 
 
 def pct(values: list[float], q: float) -> float:

@@ -178,19 +178,36 @@ def declared(body: dict) -> list[str]:
     return [t.get("name") or t.get("function", {}).get("name") for t in body.get("tools") or ()]
 
 
-async def test_a_vision_model_gets_the_image_scaled_on_chat_completions(client, sim):
+async def test_a_vision_model_gets_the_image_scaled_on_chat_completions(client, sim, app):
+    children = app.state.chat.attachments.extractor
     conv_id = await conversation(client, VISION_MODEL)
     aid = await attach(client, conv_id, png(3000, 2000))
+    uploaded = children.started
     sim.enqueue(Script([steps.Text("A red rectangle.")]))
     await say(client, conv_id, "What is in this picture?", [aid])
+    assert children.started == uploaded + 1  # scaled in a limited child, not in the server
 
     request = sim.requests[-1]
     assert request.path == "/v1/chat/completions"
     (image,) = request.images
-    assert (image.shape, image.format, image.width, image.height) == ("image_url", "PNG", 1568, 1045)
+    # Drawn smaller in the attachments' limited child, as a WebP (a thumbnail's way).
+    assert (image.shape, image.format, image.width, image.height) == ("image_url", "WEBP", 1568, 1045)
     user = request.body["messages"][-1]["content"]
     assert [p["type"] for p in user] == ["image_url", "text"]  # the image first, then the question
     assert set(user[0]) == {"type", "image_url"}  # nothing of ours (the estimate) leaks upstream
+
+    # The next turn sends it again (it is still in the prompt), scaled once; a small image goes as stored.
+    small = await attach(client, conv_id, png(30, 20, "blue"))
+    stored = (await client.get(f"/api/conversations/{conv_id}/attachments/{small}")).content
+    started = children.started
+    sim.enqueue(Script([steps.Text("Blue.")]))
+    await say(client, conv_id, "And this one?", [small])
+    assert children.started == started
+    big, little = sim.requests[-1].images
+    assert (big.width, little.format, little.width) == (1568, "PNG", 30)
+    parts = [p for m in sim.requests[-1].body["messages"] if isinstance(m["content"], list) for p in m["content"]
+             if p["type"] == "image_url"]
+    assert parts[-1]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(stored).decode()
 
 
 async def test_a_vision_model_gets_the_image_as_a_messages_block(client, sim, app):
@@ -206,7 +223,7 @@ async def test_a_vision_model_gets_the_image_as_a_messages_block(client, sim, ap
     assert (image.shape, image.width, image.height) == ("image", 333, 500)
     block = request.body["messages"][-1]["content"][0]
     assert block["type"] == "image" and block["source"]["type"] == "base64"
-    assert block["source"]["media_type"] == "image/png"
+    assert block["source"]["media_type"] == "image/webp"
 
 
 async def test_a_blind_model_is_never_sent_images_and_asks_vision_model_instead(client, sim):
@@ -324,4 +341,4 @@ async def test_the_demo_gateway_answers_about_an_attached_image(tmp_path):
             events = await say(client, conv_id, "What is this?", [aid])
     reply = "".join(data["text"] for name, data in events if name == "delta")
     assert "SIMULATED look at an image" in reply
-    assert "a PNG image of 1568×392 pixels" in reply  # as sent: scaled to IMAGE_MAX_EDGE
+    assert "a WEBP image of 1568×392 pixels" in reply  # as sent: scaled to IMAGE_MAX_EDGE

@@ -1,38 +1,34 @@
 """Images as a turn sends them upstream, and what they cost in tokens.
 
 Promises:
-- `scaled` gives an image with its long edge at most IMAGE_MAX_EDGE, in the prompt's neutral
-  shape (`part`), scaled in a worker thread, at most SCALE_AT_ONCE at a time (decoding a large
-  image takes a core and its pixels' memory: the bound keeps both in hand, and the event loop
-  never waits on it). A JPEG is decoded at a reduced size first (Pillow's draft mode), so a
-  12-megapixel photo never lands in memory whole. An image already small enough goes as stored.
-  Results are kept by attachment id (ids are never reused) up to CACHE_BYTES, so a conversation's
-  images are scaled once, not on every turn.
+- `Scaler.scaled` gives an image with its long edge at most IMAGE_MAX_EDGE, in the prompt's
+  neutral shape (`Scaled.part`). An image already small enough goes as stored (its bytes are the
+  upload's clean re-encode) and is never parsed here; a larger one is drawn smaller by the caller's
+  `shrink` (the attachments' limited child, like a thumbnail: no decoder of an uploaded file runs
+  in the server), at most SCALE_AT_ONCE at a time. Results are kept by attachment id (ids are never
+  reused) up to CACHE_BYTES, so an image is scaled once per process, not on every turn.
 - `image_tokens` estimates what a model is billed for an image, by its provider's published rule:
-  Anthropic's (width × height / 750, after its own resize to at most 1568 px and 1.15 MP), else
+  Anthropic's (width x height / 750, after its own resize to at most 1568 px and 1.15 MP), else
   OpenAI's high-detail tiles (fit in 2048², shortest side to 768, 85 + 170 per 512-px tile). The
   estimate only stands until the gateway measures the prompt (context.py's loop).
 
-The images given here are already clean (the upload removed their metadata); nothing here reads
-who owns them: callers pass the bytes they were allowed to read.
+Nothing here reads who owns an image: callers pass the bytes they were allowed to read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
 
 SCALE_AT_ONCE = 2
 CACHE_BYTES = 48 * 1024 * 1024
-JPEG_QUALITY = 85
-WEBP_QUALITY = 85
 
 ANTHROPIC_MAX_EDGE = 1568
 ANTHROPIC_MAX_PIXELS = 1_150_000
@@ -85,33 +81,13 @@ def image_tokens(model: str, width: int, height: int) -> int:
     return OPENAI_BASE_TOKENS + OPENAI_TILE_TOKENS * tiles
 
 
-def scale_now(data: bytes, media_type: str, max_edge: int) -> Scaled:
-    """`data` scaled to `max_edge` (the work itself: call it through `scaled`, off the event loop)."""
-    from PIL import Image
+# (bytes, media type, width, height) of a stored image; the bytes scaled down: (bytes, {"media_type", "width", "height"}).
+Load = Callable[[], Awaitable[tuple[bytes, str, int, int]]]
+Shrink = Callable[[bytes, int], Awaitable[tuple[bytes, dict]]]
 
-    with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-        if max(width, height) <= max_edge:
-            return Scaled(media_type, base64.b64encode(data).decode("ascii"), width, height)
-        target = fitted(width, height, max_edge)
-        fmt = image.format
-        if fmt == "JPEG":
-            image.draft("RGB", target)  # decode at 1/2, 1/4 or 1/8 size: far less work and memory
-        image.seek(0)
-        frame = image.convert("RGBA" if image.mode in ("RGBA", "LA", "P", "PA") else "RGB")
-    # Bicubic: 39 ms of CPU against Lanczos's 58 for a 12 MP photo drafted to 2000 x 1500 (bench/vision_bench.py).
-    small = frame.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
-    out = io.BytesIO()
-    if fmt == "JPEG":
-        small.convert("RGB").save(out, "JPEG", quality=JPEG_QUALITY)
-        kind = "image/jpeg"
-    elif fmt == "WEBP":
-        small.save(out, "WEBP", quality=WEBP_QUALITY)
-        kind = "image/webp"
-    else:  # PNG, and a GIF's first frame (as PNG: it keeps the colours a GIF palette cannot)
-        small.save(out, "PNG")
-        kind = "image/png"
-    return Scaled(kind, base64.b64encode(out.getvalue()).decode("ascii"), *small.size)
+
+def _encoded(data: bytes, media_type: str, width: int, height: int) -> Scaled:
+    return Scaled(media_type, base64.b64encode(data).decode("ascii"), width, height)
 
 
 class Scaler:
@@ -125,8 +101,9 @@ class Scaler:
         self._working: asyncio.Semaphore | None = None
         self._pending: dict[tuple[str, int], asyncio.Future] = {}
 
-    async def scaled(self, key: str, load, max_edge: int) -> Scaled:
-        """The image `key` at `max_edge`; `load()` gives its (bytes, media type) when it is not cached."""
+    async def scaled(self, key: str, load: Load, shrink: Shrink, max_edge: int) -> Scaled:
+        """The image `key` at `max_edge`: `load()` reads it when it is not cached, `shrink` draws it
+        smaller when it is larger than that."""
         slot = (key, max_edge)
         with self._lock:
             if (hit := self._cache.get(slot)) is not None:
@@ -137,11 +114,16 @@ class Scaler:
         future = asyncio.get_running_loop().create_future()
         self._pending[slot] = future
         try:
-            data, media_type = await load()
-            if self._working is None:
-                self._working = asyncio.Semaphore(SCALE_AT_ONCE)
-            async with self._working:
-                result = await anyio.to_thread.run_sync(scale_now, data, media_type, max_edge)
+            data, media_type, width, height = await load()
+            if max(width, height) <= max_edge:
+                result = await anyio.to_thread.run_sync(_encoded, data, media_type, width, height)
+            else:
+                if self._working is None:
+                    self._working = asyncio.Semaphore(SCALE_AT_ONCE)
+                async with self._working:
+                    small, info = await shrink(data, max_edge)
+                result = await anyio.to_thread.run_sync(_encoded, small, info["media_type"], info["width"],
+                                                        info["height"])
             self._keep(slot, result)
             future.set_result(result)
             return result

@@ -20,7 +20,6 @@ import datetime as dt
 import enum
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +35,7 @@ from chatserver.attachments.store import (
     conversation_scope,
     image_words,
     is_image,
+    write_closing,
 )
 from chatserver.config import ModelInfo, Settings
 from chatserver.conversations import branches, pii
@@ -318,7 +318,7 @@ class Turns:
             return {mid: [{"type": "text", "text": self._image_note(found[aid])} for aid in ids]
                     for mid, ids in carrying.items()}
         wanted = list(dict.fromkeys(aid for ids in carrying.values() for aid in ids))
-        scaled = await asyncio.gather(*(self._scaled(turn.conv_id, aid) for aid in wanted))
+        scaled = await asyncio.gather(*(self._scaled(turn, aid) for aid in wanted))
         parts = {aid: s.part(images.image_tokens(turn.model, s.width, s.height)) for aid, s in zip(wanted, scaled)}
         return {mid: [parts[aid] for aid in ids] for mid, ids in carrying.items()}
 
@@ -328,24 +328,36 @@ class Turns:
         return (f"[Attached image {meta['name']} (id {meta['id']}, {size}). You cannot see images: "
                 "if the analyze_image tool is offered, call it with this id to ask about the image.]")
 
-    async def _scaled(self, conv_id: str, attachment_id: str) -> images.Scaled:
-        async def load() -> tuple[bytes, str]:
+    async def _scaled(self, turn: Turn, attachment_id: str) -> images.Scaled:
+        async def load() -> tuple[bytes, str, int, int]:
             assert self.attachments is not None
-            stored = await self.attachments.image(conversation_scope(conv_id), attachment_id)
-            return stored.data, stored.media_type
+            stored = await self.attachments.image(conversation_scope(turn.conv_id), attachment_id)
+            return stored.data, stored.media_type, stored.width, stored.height
 
-        return await self.scaler.scaled(attachment_id, load, self.settings.image_max_edge)
+        return await self.scaler.scaled(attachment_id, load, self._shrinker(turn.store.owner),
+                                        self.settings.image_max_edge)
 
-    async def ask_vision(self, image: StoredImage, question: str) -> tuple[str, dict]:
+    def _shrinker(self, person: str) -> images.Shrink:
+        """How `person`'s images are drawn smaller: in the attachments' limited child, in their turn."""
+        async def shrink(data: bytes, edge: int) -> tuple[bytes, dict]:
+            assert self.attachments is not None
+            return await self.attachments.scaled(data, edge, person)
+
+        return shrink
+
+    async def ask_vision(self, image: StoredImage, question: str, person: str) -> tuple[str, dict]:
         """`analyze_image`'s call: VISION_MODEL answers `question` about the image (scaled like any)."""
         model = self.settings.vision_model
-        if model is None:
+        if model is None or self.attachments is None:
             raise tools.ToolError("no vision model is configured (VISION_MODEL)")
 
-        async def load() -> tuple[bytes, str]:
-            return image.data, image.media_type
+        async def load() -> tuple[bytes, str, int, int]:
+            return image.data, image.media_type, image.width, image.height
 
-        scaled = await self.scaler.scaled(image.id, load, self.settings.image_max_edge)
+        try:
+            scaled = await self.scaler.scaled(image.id, load, self._shrinker(person), self.settings.image_max_edge)
+        except AttachmentError as exc:
+            raise tools.ToolError(f"the image could not be prepared: {exc}") from None
         part = scaled.part(images.image_tokens(model, scaled.width, scaled.height))
         messages = [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
         body = chat.build_body(model, [], messages, max_tokens=VISION_MAX_TOKENS, params=self.settings.params_for(model),
@@ -644,7 +656,7 @@ class Turns:
         kept = len(turn.reply.attachment_ids) + 1
         name = f"image-{kept}.{produced.media_type.removeprefix('image/').replace('jpeg', 'jpg')}"
         fd, path = attachments.incoming_file()
-        await anyio.to_thread.run_sync(_write_closing, fd, produced.data)
+        await anyio.to_thread.run_sync(write_closing, fd, produced.data)
 
         async def fits(size: int) -> None:
             await check_files(attachments, turn.store, size)
@@ -729,7 +741,7 @@ class Turns:
         return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
                                  owner=turn.store.owner, propose_fact=propose if approve else None,
                                  extractor=self.attachments.extractor if self.attachments else None,
-                                 ask_vision=self.ask_vision)
+                                 ask_vision=functools.partial(self.ask_vision, person=turn.store.owner))
 
     def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
         """Without web tools the budget sentence would promise searches the model cannot make."""
@@ -808,11 +820,6 @@ class Turns:
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
         return message
-
-
-def _write_closing(fd: int, data: bytes) -> None:
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
 
 
 def _set_answers_aside(conv: dict, *, question: str) -> None:
