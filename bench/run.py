@@ -26,6 +26,8 @@ TTFB beside the file store's), 200 streams spread over both, and Stop asked of o
 turn runs on the other. Without redis-server those keys are empty and `redis_error` says why.
 `bench/s3_bench.py` moves a 20 MiB file up to and down from a server with BLOB_STORE=s3 on a
 SeaweedFS of its own (the `s3_*` keys: time and the server's peak memory, `files_*` beside them).
+`bench/images_bench.py` sends 20 uploads of a 12-megapixel JPEG to one server at once (the
+`images_*` keys: the server's peak memory over its base, the reading children's, the time).
 Then one STORE=redis server with WORKERS=1 and then one with WORKERS=2 (`make run`'s way, in
 turn): the turn starts per second each sustains with p99 added time to first token under 100 ms,
 and their ratio (`phase_workers`).
@@ -1351,6 +1353,22 @@ def run_s3_bench(log) -> dict:
     return json.loads(done.stdout)
 
 
+def run_images_bench(log) -> dict:
+    """The images benchmark (bench/images_bench.py): 20 uploads of a 12-megapixel JPEG arriving
+    together, the server's peak memory while they are read (in children) and the time they take."""
+    log("images benchmark (bench/images_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "images_bench.py")], cwd=ROOT, timeout=600,
+                              stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        log("  images_bench.py ran over 600 s and was stopped")
+        return {"images_error": "images_bench.py ran over 600 s"}
+    if done.returncode != 0:
+        log(f"  images_bench.py exited with {done.returncode}")
+        return {"images_error": f"images_bench.py exited with {done.returncode}"}
+    return {k: v for k, v in json.loads(done.stdout).items() if not isinstance(v, (dict, list))}
+
+
 # --- Main --------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -1359,7 +1377,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3", "vision"],
+                                 "tools", "attachments", "s3", "images", "vision"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1507,6 +1525,8 @@ def main() -> None:
         results.update(run_attachments_bench(log))
     if "s3" not in args.skip:
         results.update(run_s3_bench(log))
+    if "images" not in args.skip:
+        results.update(run_images_bench(log))
     if "vision" not in args.skip:
         results.update(run_vision_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)

@@ -683,9 +683,10 @@ async def test_a_chatgpt_zip_download_imports_its_conversations_and_counts_its_i
     body = response.json()
     assert len(body["imported"]) == 2
     codes = [(w["code"], w.get("count"), w.get("index")) for w in body["warnings"]]
-    assert codes[:2] == [("images_skipped", 3, None), ("conversation_skipped", None, 2)]
-    assert "3 images" in body["warnings"][0]["message"]
-    assert {w["code"] for w in body["warnings"][2:]} == {"model_replaced"}
+    # No message of these conversations shows one of the images, so none is kept.
+    assert codes[0] == ("conversation_skipped", None, 2) and codes[-1] == ("images_skipped", 3, None)
+    assert "3 images" in body["warnings"][-1]["message"]
+    assert {w["code"] for w in body["warnings"][1:-1]} == {"model_replaced"}
     stored = (await client.get(f"/api/conversations/{body['imported'][0]}")).json()
     assert stored["settings"]["system_prompt"] == "The user is an SRE.\n\nAnswer concisely."
     assert [m["content"] for m in stored["messages"] if m["role"] == "user"] == [

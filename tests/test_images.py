@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from PIL import ExifTags, Image
 
@@ -142,6 +143,25 @@ async def test_png_webp_and_gif_lose_their_metadata_and_a_gif_keeps_its_first_fr
     if fmt != "GIF":  # the pixels and their transparency kept (WebP is lossy: near enough)
         pixel = image.convert("RGBA").getpixel((5, 5))
         assert all(abs(a - b) <= 3 for a, b in zip(pixel, (10, 200, 30, 128))), pixel
+
+
+async def test_a_phones_mpo_is_stored_as_the_jpeg_of_its_first_picture(api, client):
+    """Phones write MPO (a JPEG followed by a depth map or a preview): it was refused as "MPO"."""
+    exif = Image.Exif()
+    exif[ExifTags.Base.Make] = "Canon"
+    exif[ExifTags.IFD.GPSInfo] = GPS
+    out = io.BytesIO()
+    Image.new("RGB", (64, 32), RED).save(out, format="MPO", save_all=True, append_images=[Image.new("RGB", (64, 32), BLUE)],
+                                         exif=exif)
+    assert opened(out.getvalue()).format == "MPO"
+    conv = await api.new()
+    response = await upload(client, conv["id"], "PXL_0001.jpg", out.getvalue())
+    assert response.status_code == 201, response.text
+    assert response.json()["media_type"] == "image/jpeg"
+    data = (await client.get(f"/api/conversations/{conv['id']}/attachments/{response.json()['id']}")).content
+    assert_clean(data)
+    image = opened(data)
+    assert image.format == "JPEG" and getattr(image, "n_frames", 1) == 1 and image.getpixel((5, 5))[0] > 200
 
 
 async def test_a_100_megapixel_png_of_a_few_kb_is_422_naming_the_limit_and_the_server_stays_small(tmp_path, sim):
@@ -326,3 +346,45 @@ async def test_an_image_counts_against_the_quota_like_any_file(tmp_path, sim):
         refused = await upload(client, conv["id"], "b.jpg", data)
         assert refused.status_code == 413 and refused.json()["detail"].startswith("QUOTA_FILE_BYTES:")
 
+
+
+async def test_a_chatgpt_zip_keeps_its_images_as_attachments_linked_from_their_messages(client, settings):
+    """ChatGPT's download: conversations.json (its "서울 여행" conversation's first message shows
+    the image `file-service://file-abc`) beside that image, named as the export names it, a real
+    phone JPEG with GPS; also an image no message shows and a zip-bombed one."""
+    from test_exchange import fixture, zipped
+
+    conversations = orjson.loads(fixture("chatgpt_conversations.json"))
+    conversations[1]["mapping"]["k-1"]["message"]["content"]["parts"].insert(
+        0, {"content_type": "image_asset_pointer", "asset_pointer": "file-service://file-bomb"})
+    # 50 MiB of zeros deflated to about 50 KB: past MAX_ATTACHMENT_BYTES unpacked, so never read whole.
+    download = zipped({"conversations.json": orjson.dumps(conversations), "chat.html": b"<html></html>",
+                       "file-abc-seoul.jpg": gps_jpeg(), "file-bomb-x.png": bytes(50 * 2**20),
+                       "dalle-generations/file-Unshown-image.webp": gps_jpeg()})
+    assert len(download) < 200_000
+
+    response = await client.post("/api/import", files={"file": ("export.zip", download, "application/zip")})
+    assert response.status_code == 201, response.text
+    body = response.json()
+    [skipped] = [w for w in body["warnings"] if w["code"] == "images_skipped"]
+    assert skipped["count"] == 2 and "file-bomb-x.png" in skipped["message"]
+    seoul = next(c for c in [(await client.get(f"/api/conversations/{i}")).json() for i in body["imported"]]
+                 if c["title"] == "서울 여행")
+    [question] = [m for m in seoul["messages"] if m["role"] == "user"]
+    [image_id] = question["attachment_ids"]
+    # The bomb's mark stays where it was; the kept image's mark is gone.
+    assert question["content"] == "[image]\n\n서울에서 가볼 만한 곳을 알려 주세요."
+    [attached] = (await client.get(f"/api/conversations/{seoul['id']}/attachments")).json()
+    assert (attached["id"], attached["name"], attached["kind"]) == (image_id, "file-abc-seoul.jpg", "image")
+    data = (await client.get(f"/api/conversations/{seoul['id']}/attachments/{image_id}")).content
+    assert_clean(data)
+    assert opened(data).size == (32, 64)
+    thumb = await client.get(f"/api/conversations/{seoul['id']}/attachments/{image_id}/thumbnail")
+    assert thumb.status_code == 200
+
+    # The export carries the id; the Markdown links the file.
+    exported = (await client.get(f"/api/conversations/{seoul['id']}/export")).json()
+    node = next(n for n in exported["conversations"][0]["nodes"] if n["role"] == "user")
+    assert node["attachment_ids"] == [image_id]
+    markdown = (await client.get(f"/api/conversations/{seoul['id']}/export", params={"format": "md"})).text
+    assert f"![file-abc-seoul.jpg](/api/conversations/{seoul['id']}/attachments/{image_id})" in markdown

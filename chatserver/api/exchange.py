@@ -8,22 +8,27 @@ Conversations are read and made through the owner-scoped store, like every other
 from __future__ import annotations
 
 import logging
+import os
+import zipfile
 from typing import Annotated, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 from chatserver.api.deps import OwnerStoreDep, StateDep
-from chatserver.api.quota import check_conversations
+from chatserver.api.quota import check_conversations, check_files
+from chatserver.attachments.store import AttachmentError, Attachments, Scope, conversation_scope, public
 from chatserver.conversations import exchange, pii
 from chatserver.conversations.document import new_id, now_iso
 from chatserver.search.follow import FollowedSearch
+from chatserver.store.files import OwnerStore
 
 log = logging.getLogger("chat.exchange")
 
 INDEX_FILE = "search.sqlite3"
 SYNCED_INDEX_FILE = "search-redis.sqlite3"  # never the file store's: switching STORE starts afresh
+MAX_IMPORT_IMAGES = 500  # images of one zip kept as attachments; each is read in the limited child
 
 router = APIRouter()
 
@@ -44,12 +49,13 @@ async def search(searcher: SearchDep, store: OwnerStoreDep,
 
 
 @router.get("/api/conversations/{conv_id}/export")
-async def export_conversation(conv_id: str, store: OwnerStoreDep,
+async def export_conversation(conv_id: str, store: OwnerStoreDep, state: StateDep,
                               format: Literal["json", "md"] = "json") -> Response:
     """The conversation as a download: this server's JSON envelope, or Markdown."""
     conv = await store.get(conv_id)
     if format == "md":
-        body = exchange.export_markdown(conv).encode("utf-8")
+        files = {m["id"]: public(m) for m in await state.attachments.list(conversation_scope(conv_id))}
+        body = exchange.export_markdown(conv, files).encode("utf-8")
         media = "text/markdown; charset=utf-8"
     else:
         body = await anyio.to_thread.run_sync(exchange.export_json, [(conv, None)])
@@ -78,6 +84,7 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
     await check_conversations(state.settings.quota_conversations, store, len(imported))
     ids, warnings = [], list(result["warnings"])
     settings = await default_settings(state.settings, None, store)
+    images = ZipImages(raw, state.attachments, store)
     for conv in imported:
         replaced = model_replaced(conv["model"], lineup, state.settings.default_model)
         stored = stored_conversation(conv, state, settings, replaced)
@@ -88,7 +95,95 @@ async def import_conversations(file: UploadFile, state: StateDep, store: OwnerSt
         if replaced:
             warnings.append({"id": created["id"], "code": "model_replaced", "message": replaced})
         warnings += [{"id": created["id"], **note} for note in conv.get("notes", [])]
+        await images.attach(created)
+    warnings += images.warnings()
     return JSONResponse({"imported": ids, "warnings": warnings}, status_code=201)
+
+
+class ZipImages:
+    """The images of a ChatGPT zip download, kept as attachments of the conversations whose
+    messages showed them (issue 24 with issue 25's images).
+
+    Each goes through the upload's own path (`Attachments.ingest`: MAX_ATTACHMENT_BYTES, the limited
+    child, MAX_IMAGE_PIXELS, metadata stripped, QUOTA_FILE_BYTES), read from the archive in memory
+    within MAX_ATTACHMENT_BYTES whatever its header declares, and at most MAX_IMPORT_IMAGES per
+    import. A message's images become its `attachment_ids` and leave its text ("[image]" marks
+    remain only for images that could not be kept); images left out are counted in one warning.
+    """
+
+    def __init__(self, raw: bytes, attachments: Attachments, store: OwnerStore) -> None:
+        self.raw = raw
+        self.attachments = attachments
+        self.store = store
+        self.members, self.names = exchange.zip_images(raw)
+        self.kept: set[str] = set()  # member names stored
+        self.refused: list[str] = []  # why some were not
+
+    async def attach(self, conv: dict) -> None:
+        messages = [m for key in ("archive", "messages", "off_path") for m in conv.get(key) or []]
+        wanted = [m for m in messages if m.get("image_refs")]
+        if not wanted:
+            return
+        scope = conversation_scope(conv["id"])
+        stored: dict[str, str] = {}  # asset id -> attachment id, in this conversation
+        for message in wanted:
+            for asset in message["image_refs"]:
+                if asset in stored or asset not in self.members or len(self.kept) >= MAX_IMPORT_IMAGES:
+                    continue
+                attachment_id = await self._ingest(scope, self.members[asset])
+                if attachment_id is not None:
+                    stored[asset] = attachment_id
+
+        def link(doc: dict) -> None:
+            for key in ("archive", "messages", "off_path"):
+                for m in doc.get(key) or []:
+                    refs = m.pop("image_refs", None)
+                    ids = [stored[a] for a in refs or [] if a in stored]
+                    if ids:
+                        m["attachment_ids"] = list(dict.fromkeys(ids))
+                        m["content"] = exchange.without_image_marks(m["content"], len(ids))
+
+        await self.store.update(conv["id"], link)
+
+    async def _ingest(self, scope: Scope, info: zipfile.ZipInfo) -> str | None:
+        name = info.filename.rsplit("/", 1)[-1]
+        try:
+            data = await anyio.to_thread.run_sync(exchange.zip_member, self.raw, info,
+                                                  self.attachments.limits.max_bytes)
+        except exchange.Unreadable as exc:
+            self.refused.append(f"{name}: {exc.reason}")
+            return None
+        fd, path = self.attachments.incoming_file()
+        with os.fdopen(fd, "wb") as f:
+            await anyio.to_thread.run_sync(f.write, data)
+        del data
+
+        async def fits(size: int) -> None:
+            await check_files(self.attachments, self.store, size)
+
+        try:
+            meta = await self.attachments.ingest(scope, name, path, self.store.owner, fits)
+        except AttachmentError as exc:
+            self.refused.append(f"{name}: {exc}")
+            return None
+        except HTTPException as exc:  # the quota
+            self.refused.append(f"{name}: {exc.detail}")
+            return None
+        finally:
+            path.unlink(missing_ok=True)
+        self.kept.add(info.filename)
+        return meta["id"]
+
+    def warnings(self) -> list[dict]:
+        left = len(self.names - self.kept)
+        if not left:
+            return []
+        why = f" Not kept: {'; '.join(self.refused[:3])}{'; …' if len(self.refused) > 3 else ''}." \
+            if self.refused else ""
+        return [{"code": "images_skipped", "count": left,
+                 "message": f"{left} {'image' if left == 1 else 'images'} of the archive {'was' if left == 1 else 'were'} "
+                            f"not imported (no message showed {'it' if left == 1 else 'them'}, or "
+                            f"{'it' if left == 1 else 'they'} could not be kept).{why}"}]
 
 
 def model_replaced(model: str | None, lineup: set[str], default: str) -> str | None:

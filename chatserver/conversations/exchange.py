@@ -66,6 +66,9 @@ class Node(TypedDict):
     created_at: str
     model: NotRequired[str]
     activity: NotRequired[list[dict]]  # assistant: its reasoning and tool steps, as our own replies keep them
+    # ChatGPT: the images the message showed, by the export's asset ids (the import route turns
+    # those found in the zip into attachments and `attachment_ids`, then drops this).
+    image_refs: NotRequired[list[str]]
 
 
 class ImportedConversation(TypedDict):
@@ -157,8 +160,13 @@ def export_entry(conv: dict, all_messages: list[dict] | None = None) -> dict:
     }
 
 
-def export_markdown(conv: dict) -> str:
-    """The current path as Markdown: folded messages first, in a marked section; notices as quotes."""
+def export_markdown(conv: dict, files: dict[str, dict] | None = None) -> str:
+    """The current path as Markdown: folded messages first, in a marked section; notices as quotes.
+
+    `files` (the conversation's attachments by id, `public` shape) lets a message link the files
+    it was sent with: an image as `![name](url)`, any other file as `[name](url)`, by the
+    server-relative download route."""
+    files = files or {}
     title = one_line(conv.get("title") or "Conversation")
     out = [f"# {title}", ""]
     if conv.get("model"):
@@ -168,14 +176,14 @@ def export_markdown(conv: dict) -> str:
     if archive:
         out += ["## Earlier messages (folded into the summary)", "",
                 "> These messages were folded by compression: the model saw them only through the summary.", ""]
-        out += [line for m in archive for line in markdown_message(m)]
+        out += [line for m in archive for line in markdown_message(m, conv["id"], files)]
         out += ["## Conversation", ""]
     for m in conv.get("messages", []):
-        out += markdown_message(m)
+        out += markdown_message(m, conv["id"], files)
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def markdown_message(m: dict) -> list[str]:
+def markdown_message(m: dict, conv_id: str = "", files: dict[str, dict] | None = None) -> list[str]:
     content = m.get("content") or ""
     if m.get("role") == "notice":
         return ["> " + line if line else ">" for line in content.splitlines() or [""]] + [""]
@@ -187,10 +195,22 @@ def markdown_message(m: dict) -> list[str]:
     lines = ["### " + " · ".join(heading), "", content, ""]
     if m.get("status") not in (None, "complete"):
         lines[3:3] = ["", f"*({m['status']})*"]
+    attached = [(i, (files or {}).get(i)) for i in m.get("attachment_ids") or []]
+    if attached:
+        lines += [markdown_file(conv_id, i, meta) for i, meta in attached] + [""]
     sources = [c for c in m.get("citations") or [] if isinstance(c, dict) and isinstance(c.get("url"), str)]
     if sources:
         lines += ["Sources:", ""] + [f"- [{one_line(c.get('title') or c['url'])}]({c['url']})" for c in sources] + [""]
     return lines
+
+
+def markdown_file(conv_id: str, attachment_id: str, meta: dict | None) -> str:
+    if meta is None:
+        return "- (a file since deleted)"
+    # The name is untrusted text: no brackets or line breaks that would end the link early.
+    name = one_line(meta["name"]).replace("[", "(").replace("]", ")")
+    url = f"/api/conversations/{quote(conv_id)}/attachments/{quote(attachment_id)}"
+    return f"![{name}]({url})" if meta.get("kind") == "image" else f"- [{name}]({url})"
 
 
 def one_line(text: str) -> str:
@@ -276,6 +296,10 @@ def read_import(raw: bytes, progress: Callable[[int, int], None] | None = None) 
 ZIP_MAGIC = b"PK\x03\x04"
 MAX_ZIP_ENTRIES = 100_000
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".heic", ".bmp", ".svg")
+IMAGE_MARK = "[image]"  # where an image was that the import could not keep
+# ChatGPT's file ids ("file-4UfjdrDjmMfTpyV3T2yXHW", "file_00000000ab12..."): no "-" after the prefix.
+ASSET_ID = re.compile(r"file[-_][A-Za-z0-9_]{1,100}")
+MAX_MESSAGE_IMAGES = 32  # as many as a message may be sent with
 
 
 def load(raw: bytes) -> tuple[object, list[dict]]:
@@ -312,7 +336,7 @@ def without_bom(raw: bytes) -> bytes:
 def read_zip(raw: bytes) -> tuple[bytes, list[dict]]:
     """`conversations.json` of a zip archive (ChatGPT's download), read in memory within
     MAX_IMPORT_BYTES however well it compresses; nothing is written to disk and no member's name
-    is used as a path. Images beside it are counted in a warning, not kept."""
+    is used as a path. The images beside it are read by the import route (`zip_images`)."""
     zip_entry_count(raw)  # before zipfile lists the entries: a directory of millions is refused unread
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
@@ -337,13 +361,52 @@ def read_zip(raw: bytes) -> tuple[bytes, list[dict]]:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError,
             OSError, zlib.error, ValueError) as exc:
         raise Unreadable(f"the zip archive cannot be read ({type(exc).__name__}: {str(exc)[:100]})") from None
-    images = sum(1 for i in infos if not i.is_dir() and i.filename.lower().endswith(IMAGE_SUFFIXES))
-    warnings = []
-    if images:
-        warnings.append({"code": "images_skipped", "count": images,
-                         "message": f"The archive holds {images} {'image' if images == 1 else 'images'} beside "
-                                    "conversations.json; they were not imported (messages show [image] where one was)."})
-    return bytes(data), warnings
+    return bytes(data), []
+
+
+def zip_images(raw: bytes) -> tuple[dict[str, zipfile.ZipInfo], set[str]]:
+    """The image files of a zip archive (ChatGPT's download) by the asset id their name starts
+    with ("file-AbC-photo.png" and "file-AbC.png" are "file-AbC"), and the names of all its image
+    files; nothing when `raw` is no zip. Names are only matched, never used as paths."""
+    if not raw.startswith(ZIP_MAGIC):
+        return {}, set()
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError):
+        return {}, set()
+    by_asset: dict[str, zipfile.ZipInfo] = {}
+    names = set()
+    for info in infos:
+        base = info.filename.rsplit("/", 1)[-1]
+        if info.is_dir() or not base.lower().endswith(IMAGE_SUFFIXES):
+            continue
+        names.add(info.filename)
+        found = ASSET_ID.match(base)
+        # "file-AbC-photo.png": the id ends where the original name begins.
+        if found and base[found.end():found.end() + 1] in ("-", "."):
+            by_asset.setdefault(found.group(0), info)
+    return by_asset, names
+
+
+def zip_member(raw: bytes, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """One member's bytes, read in memory and refused (Unreadable) past `limit` bytes whatever its
+    header declares, or when it is encrypted or damaged."""
+    if info.flag_bits & 0x1:
+        raise Unreadable("it is encrypted in the zip archive")
+    if info.file_size > limit:
+        raise Unreadable(f"it is over {limit} bytes unpacked")
+    data = bytearray()
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive, archive.open(info) as stream:
+            while chunk := stream.read(1 << 20):
+                data += chunk
+                if len(data) > limit:  # the declared size lied
+                    raise Unreadable(f"it is over {limit} bytes unpacked")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError,
+            OSError, zlib.error, ValueError) as exc:
+        raise Unreadable(f"it cannot be read from the zip archive ({type(exc).__name__})") from None
+    return bytes(data)
 
 
 def zip_entry_count(raw: bytes) -> int:
@@ -431,6 +494,7 @@ class Raw(TypedDict):
     # Activity steps (thinking, tool, fetch) of this node: a kept assistant reply carries its own
     # and those of the left-out nodes between it and the message above it. Optional.
     steps: NotRequired[list[dict]]
+    images: NotRequired[list[str]]  # asset ids of the images it showed (ChatGPT)
 
 
 class _Pending:
@@ -518,6 +582,8 @@ def build_tree(raw: dict[str, Raw], order: dict[str, list[str]], current: str | 
                          "role": node["role"], "content": node["content"], "created_at": node["created_at"]}
             if node["model"]:
                 out["model"] = node["model"]
+            if node.get("images"):
+                out["image_refs"] = node["images"]
             if node["role"] == "assistant" and waiting is not None:
                 out["activity"] = _materialize(waiting)
                 copied += len(out["activity"])
@@ -725,6 +791,9 @@ def chatgpt_node(message: object, parent: str | None, fallback_time: str, fallba
     if not text.strip():
         return out
     out["role"], out["content"] = role, checked_content(text)
+    images = chatgpt_images(content)
+    if images:
+        out["images"] = images
     out["model"] = _str(metadata.get("model_slug")) if role == "assistant" else None
     return out
 
@@ -781,7 +850,7 @@ def chatgpt_text(content: object) -> str:
                 pieces.append(part)
             elif isinstance(part, dict):
                 # Images and files are not in the export's JSON; say one was there.
-                pieces.append("[image]" if "image" in str(part.get("content_type", "")) else "[attachment]")
+                pieces.append(IMAGE_MARK if "image" in str(part.get("content_type", "")) else "[attachment]")
         return "\n\n".join(p for p in pieces if p)
     if kind == "code" and isinstance(content.get("text"), str):
         return f"```{content.get('language') or ''}\n{content['text']}\n```"
@@ -789,6 +858,34 @@ def chatgpt_text(content: object) -> str:
                 "tether_quote", "system_error", "user_editable_context"):
         return ""
     return content.get("text") if isinstance(content.get("text"), str) else ""
+
+
+def chatgpt_images(content: dict) -> list[str]:
+    """The asset ids of the images a message's parts point to, in order ("file-service://file-AbC"
+    gives "file-AbC"; "sediment://file_00ab" gives "file_00ab"): the names of the image files
+    beside conversations.json in the export's zip start with them."""
+    parts = content.get("parts") if isinstance(content.get("parts"), list) else []
+    out = []
+    for part in parts:
+        if isinstance(part, dict) and "image" in str(part.get("content_type", "")):
+            pointer = part.get("asset_pointer")
+            if isinstance(pointer, str):
+                asset = pointer.rsplit("://", 1)[-1].rsplit("/", 1)[-1]
+                if ASSET_ID.fullmatch(asset):
+                    out.append(asset)
+    return out[:MAX_MESSAGE_IMAGES]
+
+
+def without_image_marks(content: str, count: int) -> str:
+    """`content` with its first `count` "[image]" marks taken out (those images are attached now)."""
+    pieces = content.split("\n\n")
+    kept = []
+    for piece in pieces:
+        if count and piece == IMAGE_MARK:
+            count -= 1
+            continue
+        kept.append(piece)
+    return "\n\n".join(kept)
 
 
 # Open WebUI -------------------------------------------------------------------------------------

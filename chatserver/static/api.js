@@ -86,6 +86,8 @@ export const api = {
 /** Where a conversation's file downloads from (a no-id library file: `libraryUrl`). */
 export const attachmentUrl = (id, aid) => `${conv(id)}/attachments/${encodeURIComponent(aid)}`;
 export const libraryUrl = (aid) => `/api/library/${encodeURIComponent(aid)}`;
+/** An image's thumbnail (issue 25): a conversation's file, or with a null `id` a library file. */
+export const thumbnailUrl = (id, aid) => `${id == null ? libraryUrl(aid) : attachmentUrl(id, aid)}/thumbnail`;
 export const exportUrl = (id, format) => `${conv(id)}/export?format=${format}`;
 export const uploadUrl = (id) => (id == null ? "/api/library" : `${conv(id)}/attachments`);
 

@@ -1,12 +1,17 @@
 // Attachments on the page: uploads (button, drop, paste) with progress and the server's reasons,
 // chips on the composer until the message is sent and on sent messages, and the Files panel (this
 // conversation's files, the personal library, the conversation's `library` setting).
-// File names are untrusted text: they only ever reach the page as textContent.
+// Images (issue 25) show their thumbnail on the chip and under the message that was sent with
+// them; clicking one opens it full size. Every image comes from the server's own routes (the CSP
+// allows nothing else), by ids only.
+// File names are untrusted text: they only ever reach the page as textContent or attributes.
 
-import { api, attachmentUrl, libraryUrl, upload, uploadUrl } from "./api.js";
+import { api, attachmentUrl, libraryUrl, thumbnailUrl, upload, uploadUrl } from "./api.js";
 import { button, node } from "./ui.js";
 
 const $ = (id) => document.getElementById(id);
+
+const isImage = (file) => file?.kind === "image";
 
 export function formatBytes(n) {
   if (n < 1024) return `${n} B`;
@@ -16,14 +21,25 @@ export function formatBytes(n) {
 
 function describe(file) {
   const parts = [formatBytes(file.bytes)];
+  if (isImage(file)) parts.push(`${file.width} × ${file.height}`);
   if (file.pages != null) parts.push(`${file.pages} ${file.pages === 1 ? "page" : "pages"}`);
   // What of an accepted file could not be read (a PDF page that failed), as the server says it.
   if (file.warnings?.length) parts.push(`⚠ ${file.warnings.join("; ")}`);
   return parts.join(" · ");
 }
 
-/** A chip naming one file; `href` makes the name a download link. */
-function chip(file, { href } = {}) {
+/** An image's thumbnail, drawn by the server. */
+function thumb(src, name) {
+  const img = node("img", "file-thumb");
+  img.dataset.test = "attachment-thumb";
+  img.src = src;
+  img.alt = name;
+  img.loading = "lazy";
+  return img;
+}
+
+/** A chip naming one file; `href` makes the name a download link; `thumbSrc` shows an image's thumbnail. */
+function chip(file, { href, thumbSrc } = {}) {
   const el = node("span", "file-chip");
   el.dataset.test = "attachment-chip";
   if (file.id) el.dataset.id = file.id;
@@ -33,8 +49,32 @@ function chip(file, { href } = {}) {
     name.download = "";
   }
   name.title = file.name;
-  el.append(node("span", "file-chip-icon", "📄"), name);
+  if (thumbSrc) el.classList.add("image-chip");
+  el.append(thumbSrc ? thumb(thumbSrc, file.name) : node("span", "file-chip-icon", "📄"), name);
   return el;
+}
+
+/** The dialog showing one image full size (the original, through the download route). */
+class ImageViewer {
+  constructor() {
+    this.dialog = $("image-viewer");
+    this.img = $("image-viewer-img");
+    $("image-viewer-close").addEventListener("click", () => this.dialog.close());
+    this.dialog.addEventListener("click", (e) => {
+      if (e.target === this.dialog) this.dialog.close();
+    });
+    this.dialog.addEventListener("close", () => this.img.removeAttribute("src"));
+  }
+
+  open(name, src) {
+    $("image-viewer-name").textContent = name;
+    $("image-viewer-name").title = name;
+    $("image-viewer-download").href = src;
+    $("image-viewer-download").setAttribute("aria-label", `Download ${name}`);
+    this.img.alt = name;
+    this.img.src = src;
+    if (!this.dialog.open) this.dialog.showModal();
+  }
 }
 
 export class Files {
@@ -49,6 +89,7 @@ export class Files {
     this.strip = $("composer-files");
     this.dialog = $("files");
     this.libraryToggle = $("library-toggle");
+    this.viewer = new ImageViewer();
     $("attach").addEventListener("click", () => $("attach-input").click());
     $("attach-input").addEventListener("change", (e) => {
       this.add([...e.target.files]);
@@ -152,6 +193,8 @@ export class Files {
       }).then((meta) => {
         item.meta = meta;
         if (this.convId === convId) this.list.push(meta);
+        // Its chip was removed while it uploaded: the file was stored all the same, so it goes now.
+        if (item.removed) this.remove(meta.id, convId).catch(() => {});
       }, (err) => {
         item.error = err.status === 401 ? "Sign in again to upload." : err.message;
       }).finally(() => {
@@ -167,7 +210,7 @@ export class Files {
   renderStrip() {
     this.strip.replaceChildren(...this.pending.map((item) => {
       const name = item.meta?.name ?? item.file.name;
-      const el = chip({ name });
+      const el = chip({ name }, { thumbSrc: isImage(item.meta) ? thumbnailUrl(this.convId, item.meta.id) : null });
       el.dataset.state = item.error ? "error" : item.meta ? "ready" : "uploading";
       if (item.meta) {
         el.dataset.id = item.meta.id;
@@ -193,6 +236,7 @@ export class Files {
 
   /** Take a chip off the composer; an uploaded file is deleted too (it was never sent). */
   unpend(item) {
+    item.removed = true;
     this.pending = this.pending.filter((p) => p !== item);
     this.renderStrip();
     if (item.meta) this.remove(item.meta.id).catch((err) => this.app.toast(err.message));
@@ -205,11 +249,26 @@ export class Files {
     const row = node("div", "message-files");
     for (const id of ids) {
       const meta = this.list.find((f) => f.id === id);
-      row.append(meta
-        ? chip(meta, { href: attachmentUrl(this.convId, id) })
-        : chip({ id, name: "(file deleted)" }));
+      if (isImage(meta)) row.append(this.imageButton(meta));
+      else row.append(meta ? chip(meta, { href: attachmentUrl(this.convId, id) }) : chip({ id, name: "(file deleted)" }));
     }
     return row;
+  }
+
+  /** A sent image: its thumbnail, opening the image full size. */
+  imageButton(meta) {
+    const convId = this.convId;
+    const b = button("", { className: "message-image", label: `Open ${meta.name}` });
+    b.dataset.test = "message-image";
+    b.dataset.id = meta.id;
+    const img = node("img");
+    img.src = thumbnailUrl(convId, meta.id);
+    img.alt = meta.name;
+    img.width = Math.min(240, meta.width);
+    img.height = Math.round(img.width * meta.height / meta.width);
+    b.append(img);
+    b.addEventListener("click", () => this.viewer.open(meta.name, attachmentUrl(convId, meta.id)));
+    return b;
   }
 
   // ------------------------------------------------------------ the panel
@@ -230,14 +289,14 @@ export class Files {
 
   renderPanel() {
     $("files-list").replaceChildren(...this.list.map((f) =>
-      this.entry(f, attachmentUrl(this.convId, f.id), () => this.remove(f.id))));
+      this.entry(f, attachmentUrl(this.convId, f.id), () => this.remove(f.id), thumbnailUrl(this.convId, f.id))));
     $("files-empty").hidden = this.list.length > 0;
     $("library-list").replaceChildren(...this.library.map((f) =>
-      this.entry(f, libraryUrl(f.id), () => this.removeFromLibrary(f.id))));
+      this.entry(f, libraryUrl(f.id), () => this.removeFromLibrary(f.id), thumbnailUrl(null, f.id))));
     $("library-empty").hidden = this.library.length > 0;
   }
 
-  entry(file, href, onDelete) {
+  entry(file, href, onDelete, thumbSrc) {
     const li = node("li", "file-entry");
     li.dataset.test = "file-entry";
     li.dataset.id = file.id;
@@ -257,12 +316,14 @@ export class Files {
         $("files-status").textContent = err.message;
       });
     });
-    li.append(node("span", "file-chip-icon", "📄"), name, node("span", "file-meta", describe(file)), link, del);
+    const icon = isImage(file) ? thumb(thumbSrc, file.name) : node("span", "file-chip-icon", "📄");
+    li.append(icon, name, node("span", "file-meta", describe(file)), link, del);
     return li;
   }
 
-  async remove(id) {
-    await api.deleteAttachment(this.convId, id);
+  async remove(id, convId = this.convId) {
+    await api.deleteAttachment(convId, id);
+    if (convId !== this.convId) return;
     this.list = this.list.filter((f) => f.id !== id);
     this.pending = this.pending.filter((p) => p.meta?.id !== id);
     this.renderStrip();

@@ -223,7 +223,8 @@ def test_export_downloads_the_conversation_as_markdown_and_json(page, server, si
 
 
 def test_an_imported_zip_says_what_it_left_out_and_imported_reasoning_shows_as_a_trail(page, server, tmp_path):
-    # ChatGPT's zip download: one broken conversation and three images are named in the import line.
+    # ChatGPT's zip download: one broken conversation and three images no message shows are named
+    # in the import line.
     download = tmp_path / "chatgpt-export.zip"
     with zipfile.ZipFile(download, "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("conversations.json", (FIXTURES / "librechat_chatgpt_modern_export.json").read_bytes())
@@ -233,7 +234,7 @@ def test_an_imported_zip_says_what_it_left_out_and_imported_reasoning_shows_as_a
     status = page.get_by_test_id("import-status")
     expect(status).to_contain_text("Imported 2 conversations.")
     expect(status).to_contain_text("Skipped 1: conversation 2 (“Corrupted entry”): it has no `mapping` of messages.")
-    expect(status).to_contain_text("The archive holds 3 images")
+    expect(status).to_contain_text("3 images of the archive were not imported")
 
     # Open WebUI's reasoning and tool blocks: shown in the reply's trail as our own are, not as HTML.
     page.get_by_test_id("import-input").set_input_files(str(FIXTURES / "librechat_openwebui_export.json"))

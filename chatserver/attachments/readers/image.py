@@ -72,7 +72,8 @@ def clean(path: Path, out: Path, max_pixels: int) -> dict:
     from PIL import ExifTags, Image, ImageOps
 
     with _open(path, max_pixels) as image:
-        fmt = image.format
+        # Phones write MPO: a JPEG followed by more (a depth map, a preview). Its first is the photo.
+        fmt = "JPEG" if image.format == "MPO" else image.format
         if fmt not in FORMATS:
             raise Unsupported(f"{fmt} images are not supported; send PNG, JPEG, WebP or GIF")
         try:
@@ -93,7 +94,8 @@ def clean(path: Path, out: Path, max_pixels: int) -> dict:
                 pixels = pixels.convert("RGB")
             # Unturned, the same quantisation tables and subsampling: a second encoding that loses
             # next to nothing. Turned, the pixels are new and get a quality of their own.
-            options |= {"quality": "keep", "subsampling": "keep"} if pixels is image else {"quality": JPEG_QUALITY}
+            keep = pixels is image and image.format == "JPEG"  # Pillow keeps tables of a plain JPEG only
+            options |= {"quality": "keep", "subsampling": "keep"} if keep else {"quality": JPEG_QUALITY}
         pixels.save(out, format=fmt, **options)
         return {"format": fmt, "media_type": FORMATS[fmt], "width": pixels.width, "height": pixels.height}
 
