@@ -342,3 +342,13 @@ async def test_the_demo_gateway_answers_about_an_attached_image(tmp_path):
     reply = "".join(data["text"] for name, data in events if name == "delta")
     assert "SIMULATED look at an image" in reply
     assert "a WEBP image of 1568×392 pixels" in reply  # as sent: scaled to IMAGE_MAX_EDGE
+
+
+async def test_an_image_in_the_files_but_in_no_message_is_listed_with_its_id_for_the_tool(client, sim):
+    conv_id = await conversation(client, BLIND_MODEL)
+    aid = await attach(client, conv_id, png(50, 50, "orange"), "logo.png")
+    sim.enqueue(Script([steps.Text("I see a file.")]))
+    await say(client, conv_id, "What files do I have?")
+    body = sim.requests[-1].body
+    assert "analyze_image" in declared(body)
+    assert f"- logo.png (image, 50 × 50 PNG, id {aid})" in json.dumps(body["messages"][0], ensure_ascii=False)

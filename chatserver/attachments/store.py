@@ -791,6 +791,11 @@ async def message_images(attachments: Attachments, conversation_id: str,
     return out
 
 
+def _listed_as(meta: dict) -> str:
+    """A file's line in the listing; an image's carries its id, which analyze_image takes."""
+    return f"{_pages_word(meta)}, id {meta['id']}" if is_image(meta) else _pages_word(meta)
+
+
 async def attachment_listing(scope: AttachmentScope | None) -> str:
     """The prompt block naming the files the tools can see (never their text); "" when there are none."""
     if scope is None:
@@ -803,7 +808,7 @@ async def attachment_listing(scope: AttachmentScope | None) -> str:
             continue
         title = ("Files attached to this conversation:" if s.source == "conversation"
                  else "Files in the person's library:")
-        blocks.append("\n".join([title, *(f"- {m['name']} ({_pages_word(m)})" for m in metas)]))
+        blocks.append("\n".join([title, *(f"- {m['name']} ({_listed_as(m)})" for m in metas)]))
     if not blocks:
         return ""
     return ("\n".join(blocks) + "\nTheir text is not shown here: use search_attachments to find passages "

@@ -184,6 +184,12 @@ class Turn:
         return self.outcome is not Outcome.PENDING
 
 
+def carries_files(conv: dict) -> bool:
+    """Whether a message of the prompt names files (only then can it carry images): a turn without
+    any skips listing the conversation's files for them."""
+    return any(m.get("attachment_ids") for m in conv["messages"])
+
+
 def title_from(text: str, limit: int = 60) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), NEW_TITLE)
     if len(line) <= limit:
@@ -301,7 +307,7 @@ class Turns:
 
     async def image_tokens(self, conv: dict, model: str, found: dict[str, dict] | None = None) -> dict[str, int]:
         """Attachment id -> the estimated tokens of that image as `model` is sent it (none when it cannot see)."""
-        if not await self.sees(model):
+        if not carries_files(conv) or not await self.sees(model):
             return {}
         found = await self.conversation_images(conv["id"]) if found is None else found
         edge = self.settings.image_max_edge
