@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from gateway_sim.simulator import Script, steps
-from pagekit import Server, assistant_messages, eventually, send
+from gateway_sim.simulator import Script, Usage, steps
+from pagekit import Server, assistant_messages, conversation_id, eventually, send
 from support import PixelServer, png
 
 
@@ -23,6 +23,7 @@ def server(tmp_path_factory, gateway):
     # image server is allowed by name, as FETCH_ALLOW_HOSTS allows an intranet host.
     srv = Server(tmp_path_factory.mktemp("e2e-vision") / "data", {
         "GATEWAY_BASE_URL": gateway.base_url, "UPSTREAM_TIMEOUT": "10", "FETCH_ALLOW_HOSTS": "127.0.0.1",
+        "VISION_MODEL": "openai/gpt-5-mini",
     })
     yield srv
     srv.stop()
@@ -83,3 +84,23 @@ def test_an_image_the_model_returns_shows_in_the_reply_and_after_reload(page, se
     again = assistant_messages(page).last.get_by_test_id("reply-image")
     expect(again).to_be_visible()
     page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=again.element_handle())
+
+
+def test_a_model_without_eyes_asks_vision_model_and_the_trail_shows_the_cost(page, server, sim):
+    conv_id = conversation_id(page)
+    page.get_by_test_id("model-picker").select_option("deepseek/deepseek-r1")
+    eventually(lambda: server.conversation(conv_id)["model"] == "deepseek/deepseek-r1")
+    uploaded = server.api("POST", f"/api/conversations/{conv_id}/attachments",
+                          files={"file": ("chart.png", png(40, 30, "green"), "application/octet-stream")})
+    image_id = uploaded.json()["id"]
+    sim.enqueue(Script([steps.ToolCall("analyze_image", {"image_id": image_id, "question": "Which colour?"})]),
+                Script([steps.Text("Green all over.")], usage=Usage(prompt=900, completion=4, cost=0.0021,
+                                                                      dialect="openrouter")),
+                Script([steps.Text("Your chart is green.")]))
+    send(page, "What colour is chart.png?")
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    reply.get_by_test_id("activity").locator("summary").click()
+    step = reply.get_by_test_id("tool-step")
+    expect(step).to_have_attribute("data-status", "done")
+    expect(step.get_by_test_id("tool-usage")).to_have_text("openai/gpt-5-mini · 900 in · 4 out · $0.0021")
