@@ -1322,6 +1322,21 @@ def run_attachments_bench(log) -> dict:
     return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
 
 
+def run_vision_bench(log) -> dict:
+    """The vision benchmark (bench/vision_bench.py): what a 12-megapixel JPEG (scaled to
+    IMAGE_MAX_EDGE on the way) adds to a turn's time to first token, and to the server's CPU."""
+    log("vision benchmark (bench/vision_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "vision_bench.py")], cwd=ROOT, timeout=600, stdout=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        log("  vision_bench.py ran over 600 s and was stopped")
+        return {"vision_error": "vision_bench.py ran over 600 s"}
+    if done.returncode != 0:
+        log(f"  vision_bench.py exited with {done.returncode}")
+        return {"vision_error": f"vision_bench.py exited with {done.returncode}"}
+    return json.loads((BENCH / "results_images_vision.json").read_text())
+
+
 def run_s3_bench(log) -> dict:
     """The S3 benchmark (bench/s3_bench.py): a 20 MiB file up to and down from a server with
     BLOB_STORE=s3 on SeaweedFS, its time and the server's peak memory, beside BLOB_STORE=files."""
@@ -1362,7 +1377,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3"],
+                                 "tools", "attachments", "s3", "images", "vision"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1512,6 +1527,8 @@ def main() -> None:
         results.update(run_s3_bench(log))
     if "images" not in args.skip:
         results.update(run_images_bench(log))
+    if "vision" not in args.skip:
+        results.update(run_vision_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")

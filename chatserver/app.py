@@ -26,7 +26,7 @@ from chatserver.accounts.files import FileAccountStore
 from chatserver.accounts.store import AccountStore
 from chatserver.api import attachments as attachment_routes
 from chatserver.api import auth as auth_routes
-from chatserver.api import conversations, memory, models, quota, site
+from chatserver.api import conversations, memory, models, quota, remote_images, site
 from chatserver.api import events as live
 from chatserver.api import exchange as exchange_routes
 from chatserver.api import presets as preset_routes
@@ -43,6 +43,7 @@ from chatserver.store.files import Damaged, FileStore, LockLost, NotFound, Store
 from chatserver.store.person_events import PersonEvents, RedisPersonEvents
 from chatserver.turns import context
 from chatserver.turns.pipeline import Turns
+from chatserver.upstream.catalog import GatewayCatalog
 from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import keep_secret
 
@@ -190,7 +191,8 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
         else:
             from gateway_sim.simulator import GatewaySimulator
 
-            demo = GatewaySimulator(reasoning_models={m.id for m in active.lineup() if m.reasoning})
+            demo = GatewaySimulator(reasoning_models={m.id for m in active.lineup() if m.reasoning},
+                                    models=[m.id for m in active.lineup()])
             await demo.start_async()
             base_url, api_key = demo.base_url, None
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
@@ -202,7 +204,9 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
 
                 events = RedisPersonEvents(shared.redis, shared.prefix)  # pages hear of every process's changes
                 hub = RedisTurnHub(turns, shared, events)  # Stop and re-attach reach turns running in other processes
-            app.state.chat = State(active, store, turns, attachments, hub=hub, events=events)
+            catalog = GatewayCatalog(turns.gateway)
+            catalog.start()
+            app.state.chat = State(active, store, turns, attachments, hub=hub, events=events, catalog=catalog)
             account_store = make_account_store(active, store)
             # With passwords, Accounts makes its argon2 dummy hash (a while, 64 MiB) off the event loop.
             app.state.accounts = await asyncio.to_thread(Accounts, active, account_store) \
@@ -215,6 +219,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
                 # Running turns save what arrived before the store closes. Each step is bounded:
                 # a step that hangs is logged by name and left behind, and the process still stops.
                 await close_within("the turn hub", app.state.chat.hub.close())
+                await close_within("the gateway's model list", catalog.close())
                 await close_within("the person events", events.close())
                 if expiry is not None:
                     expiry.cancel()
@@ -234,7 +239,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes, live, quota):
+                   exchange_routes, live, quota, remote_images):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app

@@ -51,6 +51,8 @@ class ModelInfo:
     tier: str
     reasoning: bool = False
     custom: bool = False
+    # It reads images: a message's images go to it as image parts (never to a model without it).
+    vision: bool = False
     # Where its tools run: "gateway" (server tools on /v1/messages), "local" (our loop), "none".
     tool_runtime: str = "gateway"
 
@@ -76,6 +78,12 @@ class Settings(BaseSettings):
     # Models whose server takes only a string as a message's content (no layered system blocks, so
     # no cache markers): llama-cpp-python's server, for one. Others are learned from their first refusal.
     plain_text_models: str = ""
+    # Models that read images (besides those the gateway's model list says take "image" input).
+    vision_models: str = ""
+    # What `analyze_image` asks about an image for a model without vision; unset, the tool is off.
+    vision_model: str | None = None
+    # An image's long edge as sent upstream, in pixels (cost and request size grow with its area).
+    image_max_edge: int = Field(1568, ge=64, le=8192)
 
     context_budget_tokens: int = Field(102_400, gt=0)
     keep_recent_messages: int = Field(8, ge=2)
@@ -177,7 +185,7 @@ class Settings(BaseSettings):
 
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url",
                      "conversation_ttl_days", "search_index_dir", "s3_endpoint_url", "s3_access_key_id",
-                     "s3_secret_access_key", mode="before")
+                     "s3_secret_access_key", "vision_model", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
@@ -284,8 +292,14 @@ class Settings(BaseSettings):
             tier, sep, model_id = entry.partition(":")
             if not sep or tier not in TIERS:
                 tier, model_id = "balanced", entry
-            out.append(ModelInfo(model_id, tier, model_id in reasoning, tool_runtime=self.runtime_for(model_id)))
+            out.append(ModelInfo(model_id, tier, model_id in reasoning, tool_runtime=self.runtime_for(model_id),
+                                 vision=model_id in self.vision_ids))
         return out
+
+    @property
+    def vision_ids(self) -> frozenset[str]:
+        """The models VISION_MODELS names."""
+        return frozenset(m.strip() for m in self.vision_models.split(",") if m.strip())
 
     def runtime_for(self, model_id: str) -> str:
         """Where a model's tools run when nothing more specific (a custom model's own choice) says."""

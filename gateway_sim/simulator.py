@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import io
 import logging
 import random
 import re
@@ -41,7 +42,8 @@ import tiktoken
 import uvicorn
 
 __all__ = [
-    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "Raw", "Reasoning",
+    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "ImageOut", "ImageSeen", "Raw",
+    "Reasoning",
     "RecordedRequest", "Script", "Search", "Sleep", "StreamError", "Text", "ToolCall", "Usage", "cache_account",
     "errors", "estimate_tokens", "steps",
 ]
@@ -50,7 +52,20 @@ log = logging.getLogger("simulator")
 
 CHAT_PATH = "/v1/chat/completions"
 MESSAGES_PATH = "/v1/messages"
+MODELS_PATH = "/v1/models"
 STATS_PATH = "/_simulator/stats"
+
+# The models of the server's default lineup that read images on OpenRouter, listed so by
+# `GET /v1/models` (`architecture.input_modalities`); the demo's lineup learns it from there.
+KNOWN_VISION_MODELS = frozenset({
+    "openai/gpt-5-nano", "google/gemini-2.5-flash-lite", "openai/gpt-5-mini", "anthropic/claude-haiku-4.5",
+    "anthropic/claude-sonnet-4.5", "openai/gpt-5",
+})
+# What the Messages API accepts as an image block's media type (and OpenRouter as a data URL's).
+IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+# Anthropic's published estimate: tokens = width * height / 750 (the image as the model sees it).
+IMAGE_PIXELS_PER_TOKEN = 750
+_DATA_URL = re.compile(r"data:(image/[a-z+.-]+);base64,(.*)", re.S)
 
 DIALECTS = frozenset({"openai", "openrouter", "litellm", "deepseek", "vllm", "anthropic_passthrough"})
 # Unscripted usage is reported the OpenRouter way: the whole prompt in prompt_tokens with cache
@@ -190,7 +205,16 @@ class ToolCall:
         return [raw[i:i + self.chunk_chars] for i in range(0, len(raw), self.chunk_chars)]
 
 
-Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall
+@dataclass(frozen=True)
+class ImageOut:
+    """An image the model returns as output: chat `delta.images` (OpenRouter's image generation,
+    a data URL); Messages has no such block, so nothing there."""
+
+    data: bytes
+    media_type: str = "image/png"
+
+
+Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall | ImageOut
 
 
 class steps:
@@ -203,6 +227,7 @@ class steps:
     Search = Search
     Fetch = Fetch
     Cite = Cite
+    ImageOut = ImageOut
     Close = Close
     StreamError = StreamError
     ToolCall = ToolCall
@@ -359,6 +384,11 @@ class errors:
     def openrouter_invalid_model(model: str = "vendor/unknown-model") -> Script:
         """400 "x is not a valid model ID" (OpenRouter)."""
         return Script(status=400, error_body={"error": {"code": 400, "message": f"{model} is not a valid model ID"}})
+
+    @staticmethod
+    def openrouter_no_image_input(model: str = "deepseek/deepseek-r1") -> Script:
+        return Script(status=404, error_body={"error": {
+            "code": 404, "message": f"No endpoints found that support image input for {model}"}})
 
     @staticmethod
     def openrouter_rate_limit(retry_after: float = 2) -> Script:
@@ -571,7 +601,80 @@ def _part_tokens(part: object) -> int:
         return estimate_tokens(part)
     if isinstance(part, dict) and isinstance(part.get("text"), str):
         return estimate_tokens(part["text"])
+    if (image := _image_of(part)) is not None and not isinstance(image, str):
+        return image.tokens
     return estimate_tokens(_canonical(part).decode())
+
+
+@dataclass(frozen=True)
+class ImageSeen:
+    """An image part as the simulator read it: which wire shape carried it, and what it holds."""
+
+    shape: str  # "image_url" (chat completions) or "image" (Messages)
+    media_type: str  # as declared by the request
+    format: str  # as Pillow reads the bytes: "PNG", "JPEG", "WEBP", "GIF"
+    width: int
+    height: int
+    bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return max(1, -(-self.width * self.height // IMAGE_PIXELS_PER_TOKEN))
+
+
+@functools.lru_cache(maxsize=64)
+def _read_image(shape: str, media_type: str, data: str) -> ImageSeen | str:
+    """The image in base64 `data`, or what a provider would say is wrong with it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if media_type not in IMAGE_MEDIA_TYPES:
+        return f"image media type {media_type!r} is not supported; use one of {sorted(IMAGE_MEDIA_TYPES)}"
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        return "the image data is not valid base64"
+    try:
+        with Image.open(io.BytesIO(raw)) as image:  # reads the header only: the size without decoding pixels
+            width, height, fmt = image.width, image.height, image.format or "?"
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
+        return "could not process image"
+    if f"image/{fmt.lower()}" != media_type:
+        return f"image was specified using the {media_type} media type, but the image appears to be image/{fmt.lower()}"
+    return ImageSeen(shape, media_type, fmt, width, height, len(raw))
+
+
+def _image_of(part: object) -> ImageSeen | str | None:
+    """An image part of either wire format read (or the error for it); None for any other part."""
+    if not isinstance(part, dict):
+        return None
+    if part.get("type") == "image_url":
+        inner = part.get("image_url")
+        url = inner.get("url") if isinstance(inner, dict) else None
+        if not isinstance(url, str):
+            return "image_url.url: Field required"
+        if not (match := _DATA_URL.fullmatch(url)):
+            return "the simulator reads images sent as data URLs only (data:image/...;base64,...)"
+        return _read_image("image_url", match.group(1), match.group(2))
+    if part.get("type") == "image":
+        source = part.get("source")
+        if not isinstance(source, dict) or source.get("type") != "base64":
+            return "image.source: the simulator reads base64 sources only ({type: base64, media_type, data})"
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            return "image.source: media_type and data are required"
+        return _read_image("image", media_type, data)
+    return None
+
+
+def images_in(body: Mapping) -> list[ImageSeen | str]:
+    """Every image part of a request's messages, in order (a string for one that is malformed)."""
+    out: list[ImageSeen | str] = []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if (image := _image_of(part)) is not None:
+                out.append(image)
+    return out
 
 
 def _without_marker(part: object) -> object:
@@ -707,6 +810,8 @@ class RecordedRequest:
     completed: bool = False
     status: int | None = None
     error: str | None = None
+    # The image parts the request carried, as read from their bytes (both wire formats).
+    images: list[ImageSeen] = field(default_factory=list)
     ended: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
@@ -837,6 +942,9 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                 for piece in _pieces(step.text, step.chunk_size):
                     await _pause(script.chunk_delay)
                     yield chunk({"content": None, step.field: piece})
+            case ImageOut():
+                url = f"data:{step.media_type};base64,{base64.b64encode(step.data).decode('ascii')}"
+                yield chunk({"images": [{"type": "image_url", "image_url": {"url": url}, "index": 0}]})
             case Sleep():
                 await asyncio.sleep(step.seconds)
             case Raw():
@@ -1156,11 +1264,14 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
                  min_tokens: int, take: int = 1) -> Script:
     """The honest canned reply for an unscripted request; `take`: how often this same request came."""
     messages = body.get("messages", [])
+    last_user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), {})
+    seen = [i for i in images_in({"messages": [last_user]}) if isinstance(i, ImageSeen)]
     if not body.get("stream"):
+        if seen:  # a vision tool's question about an image
+            return Script([Text(_demo_images(seen))])
         if (title := _demo_title(messages)) is not None:
             return Script([Text(title)])
         return Script([Text(orjson.dumps({"summary": _demo_summary(messages), "facts": []}).decode())])
-    last_user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), {})
     client_tools = _client_tool_names(body)
     if _LONG.search(_text_of(last_user.get("content"))) and not (client_tools and _tool_results(messages)):
         return _demo_story(take)
@@ -1171,6 +1282,8 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
         reply.append(Reasoning(
             f"Simulated reasoning: there is no model behind the demo gateway, so nothing is being thought "
             f"about. The server sent {len(messages)} message(s) to `{body.get('model')}`; the reply describes them."))
+    if seen:
+        reply.append(Text(_demo_images(seen) + "\n\n", chunk_size=6))
     if client_tools and (results := _tool_results(messages)):
         reply.append(Text(_demo_after_tools(results)))
         reply.append(Text(_demo_description(path, body, account, min_tokens), chunk_size=4))
@@ -1199,6 +1312,7 @@ def _demo_script(path: str, body: Mapping, account: CacheAccount, reasoning_mode
 _URL = re.compile(r"https?://[^\s<>\"'`)\]]+")
 _REMEMBER = re.compile(r"\bremember\b(?:\s+that)?[\s:,]+(.+)", re.I)
 _SEARCH = re.compile(r"^\s*search(?:\s+the\s+web)?(?:\s+for)?[\s:,]+(.+)", re.I)
+_IMAGE_NOTE = re.compile(r"\[Attached image [^\]]*?\(id ([A-Za-z0-9_-]{1,64}),[^\]]*\]")
 _ABOUT_FILES = re.compile(r"\b(files?|attach\w*|documents?|pdfs?|docx?|uploads?|uploaded|report|paper)\b", re.I)
 
 
@@ -1258,10 +1372,25 @@ def _demo_call(messages: list, client_tools: list[str]) -> ToolCall | None:
         return ToolCall("web_fetch", {"url": match.group(0).rstrip(".,;:!?")})
     if "web_search" in client_tools and (match := _SEARCH.search(text)):
         return ToolCall("web_search", {"query": match.group(1).strip()[:200]})
+    # Declared only for a model that cannot see, when the conversation has images: the server's
+    # note about an attached image gives its id.
+    if "analyze_image" in client_tools and (match := _IMAGE_NOTE.search(text)):
+        question = " ".join(_IMAGE_NOTE.sub(" ", text).split())[:400] or "What does this image show?"
+        return ToolCall("analyze_image", {"image_id": match.group(1), "question": question})
     # Declared only when the conversation has files: a message about them searches them.
     if "search_attachments" in client_tools and _ABOUT_FILES.search(text):
         return ToolCall("search_attachments", {"query": " ".join(text.split()[:12])[:400]})
     return None
+
+
+def _demo_images(images: list[ImageSeen]) -> str:
+    """What the demo can honestly say about images: what their bytes are, not what they show."""
+    lines = [f"> **SIMULATED look at {'an image' if len(images) == 1 else f'{len(images)} images'}.** The demo "
+             "gateway read the image bytes it was sent; no model looked at them, so it can say only this:", ""]
+    lines += [f"{n}. a {i.format} image of {i.width}×{i.height} pixels ({i.bytes:,} bytes, sent as "
+              f"`{i.shape}`, ~{i.tokens:,} tokens at width×height/{IMAGE_PIXELS_PER_TOKEN})"
+              for n, i in enumerate(images, 1)]
+    return "\n".join(lines)
 
 
 def _demo_after_tools(results: list[tuple[str, str]]) -> str:
@@ -1332,6 +1461,11 @@ def _validate(path: str, body: object) -> str | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         return "messages: Input should be a non-empty list of message objects"
+    for image in images_in(body):
+        if isinstance(image, str):
+            return image
+        if image.shape != ("image_url" if path == CHAT_PATH else "image"):
+            return f"messages: content part type {image.shape!r} is not valid on {path}"
     if path == CHAT_PATH:
         return _chat_tool_pairing(messages)
     if path == MESSAGES_PATH:
@@ -1459,10 +1593,15 @@ class GatewaySimulator:
 
     def __init__(self, reasoning_models: Iterable[str] = frozenset(), cache_min_tokens: int = 1024,
                  cache_ttl_seconds: float = 300, *, keep_requests: int = DEFAULT_KEEP_REQUESTS,
-                 string_system_only: bool = False) -> None:
+                 string_system_only: bool = False, models: Iterable[str] = (),
+                 vision_models: Iterable[str] = KNOWN_VISION_MODELS) -> None:
         if keep_requests < 1:
             raise ValueError("keep_requests must be at least 1")
         self.reasoning_models = set(reasoning_models)
+        # `GET /v1/models` lists these (OpenRouter's shape); a listed model outside `vision_models`
+        # is answered as OpenRouter answers an image sent to a text-only model.
+        self.vision_models = set(vision_models)
+        self.models = set(models) | self.vision_models | self.reasoning_models
         self.cache_min_tokens = cache_min_tokens
         self.cache_ttl_seconds = cache_ttl_seconds
         self.string_system_only = string_system_only
@@ -1570,6 +1709,15 @@ class GatewaySimulator:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop_async()
 
+    def model_list(self) -> dict:
+        """`GET /v1/models` as OpenRouter answers it (the fields a client reads)."""
+        def entry(model: str) -> dict:
+            inputs = ["text", "image"] if model in self.vision_models else ["text"]
+            return {"id": model, "name": model, "architecture": {
+                "modality": "+".join(inputs) + "->text", "input_modalities": inputs, "output_modalities": ["text"]}}
+
+        return {"data": [entry(m) for m in sorted(self.models)]}
+
     # Scripting and inspection
 
     def enqueue(self, *scripts: Script) -> None:
@@ -1667,6 +1815,8 @@ class GatewaySimulator:
         """Decide the reply: a validation error, a scripted error, a stream, or a completion."""
         if (problem := _validate(path, body)) is not None:
             return _error_reply(path, _invalid(path, problem))
+        if images_in(body) and body["model"] in self.models and body["model"] not in self.vision_models:
+            return _error_reply(path, errors.openrouter_no_image_input(body["model"]))
         if self.string_system_only and path == CHAT_PATH and any(
                 m.get("role") == "system" and not isinstance(m.get("content"), str) for m in body["messages"]):
             return _error_reply(path, errors.llamacpp_validation_500(body))
@@ -1689,6 +1839,9 @@ class GatewaySimulator:
             return
         started = time.monotonic()
         path, method = scope["path"], scope["method"]
+        if method == "GET" and path == MODELS_PATH:
+            await _send_whole(send, 200, self.model_list())
+            return
         if method == "GET" and path == STATS_PATH:
             with self._lock:
                 stats = {"requests": self._received, "queued": len(self._queue),
@@ -1706,6 +1859,7 @@ class GatewaySimulator:
             body = None
         record = RecordedRequest(path, _headers_of(scope), body if isinstance(body, dict) else {}, started,
                                  client_port=(scope.get("client") or (None, None))[1])
+        record.images = [i for i in images_in(record.body) if isinstance(i, ImageSeen)]
         if raw is None:
             record.disconnected_at = time.monotonic()
             record.ended.set()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -143,3 +146,43 @@ async def serve(settings: Settings):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
             yield app, client
+
+
+def png(width: int, height: int, color: str = "red") -> bytes:
+    """A PNG of one colour, made with Pillow."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, "PNG")
+    return out.getvalue()
+
+
+class PixelServer:
+    """A real HTTP server on loopback answering every GET with one body (a 3×2 PNG unless changed),
+    counting every request it gets."""
+
+    def __init__(self) -> None:
+        self.png = png(3, 2, "blue")
+        self.content_type = "image/png"
+        self.requests: list[dict] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+                owner.requests.append({"path": self.path, "user_agent": self.headers.get("User-Agent", "")})
+                self.send_response(200)
+                self.send_header("Content-Type", owner.content_type)
+                self.send_header("Content-Length", str(len(owner.png)))
+                self.end_headers()
+                self.wfile.write(owner.png)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

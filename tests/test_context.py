@@ -451,7 +451,8 @@ async def test_context_bar_is_the_measured_prompt_split_by_layer(api, client, si
     persona = context.count_tokens(conv["settings"]["system_prompt"])
     memory = context.count_tokens(context.memory_block("- Likes tea"))
     assert bar == {"budget": 102_400, "persona": persona, "memory": memory, "summary": 0,
-                   "history": 3000 + 120 - persona - memory, "reserve": RESERVE, "measured": True}
+                   "history": 3000 + 120 - persona - memory, "images": 0, "reserve": RESERVE,
+                   "measured": True}
 
 
 # --- The layered prompt ----------------------------------------------------------------------------

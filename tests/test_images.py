@@ -319,7 +319,7 @@ async def test_the_tools_say_an_image_has_no_text_and_the_turn_scope_loads_image
         found = await search_attachments("camera")
         assert "photo.jpg is an image" in found.text
         listing = await att.attachment_listing(att.attachment_scope.get())
-        assert "- photo.jpg (image, 32 × 64 JPEG)" in listing
+        assert f"- photo.jpg (image, 32 × 64 JPEG, id {photo['id']})" in listing  # the id analyze_image takes
         image = await turn_image(photo["id"])
         assert (image.id, image.media_type, image.width, image.height, image.source) == \
             (photo["id"], "image/jpeg", 32, 64, "conversation")

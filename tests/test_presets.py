@@ -18,9 +18,10 @@ async def test_builtins_list_their_whitelists_and_default_allows_the_unconfigure
     listed = {p["name"]: p for p in response.json()}
     assert {"default", "coder", "concise", "translator"} <= set(listed)
     assert all(p["builtin"] and p["text"] for p in listed.values())
-    # Every local tool that needs no configuration (web_search needs SEARXNG_URL).
+    # Every local tool that needs no configuration (web_search needs SEARXNG_URL), and
+    # analyze_image, offered only once VISION_MODEL is set.
     unconfigured = [t.name for t in map(tools.registry.get, tools.registry.names()) if t.requires is None]
-    assert sorted(listed["default"]["tools"]) == sorted(unconfigured)
+    assert sorted(listed["default"]["tools"]) == sorted([*unconfigured, "analyze_image"])
     assert "web_search" not in listed["default"]["tools"]
     assert listed["translator"]["tools"] == []
     assert "model" not in listed["default"]

@@ -100,7 +100,8 @@ async def conversation_out(state, store: OwnerStore, conv: dict, status_code: in
     out.setdefault("pinned", False)
     out.setdefault("archived", False)
     out.setdefault("title_source", "auto")
-    out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings)
+    out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings,
+                                               await state.turns.image_tokens(conv, conv["model"]))
     out["streaming"] = await store.turn_locked(conv["id"])
     out["turn"] = await state.hub.info(conv["id"])
     return json_answer(out, status_code)

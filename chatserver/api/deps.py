@@ -7,6 +7,7 @@ conversations, memory and turns.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
@@ -18,14 +19,17 @@ from chatserver.store.files import OwnerStore, Store
 from chatserver.store.person_events import AnnouncingStore, PersonEvents
 from chatserver.turns.hub import LocalTurnHub, TurnHub
 from chatserver.turns.pipeline import Turns
+from chatserver.upstream.catalog import GatewayCatalog
 
 
 class State:
     """What lifespan builds; tests reach it as `app.state.chat`."""
 
     def __init__(self, settings: Settings, store: Store, turns: Turns, attachments: Attachments,
-                 hub: TurnHub | None = None, events: PersonEvents | None = None) -> None:
+                 hub: TurnHub | None = None, events: PersonEvents | None = None,
+                 catalog: GatewayCatalog | None = None) -> None:
         self.settings = settings
+        self.catalog = catalog
         self.store = store
         self.turns = turns
         self.attachments = attachments
@@ -33,13 +37,17 @@ class State:
         self.hub = hub if hub is not None else LocalTurnHub(turns, self.events)
 
     async def lineup(self) -> list[ModelInfo]:
-        builtin = self.settings.lineup()
+        # Who reads images: VISION_MODELS, or the gateway's list says so; a custom model's own
+        # choice, when it made one, wins over both.
+        seeing = self.settings.vision_ids | (await self.catalog.vision_ids() if self.catalog else frozenset())
+        builtin = [dataclasses.replace(m, vision=m.id in seeing) for m in self.settings.lineup()]
         known = {m.id for m in builtin}
         # From the setting itself: a custom model can be a reasoning model too.
         reasoning = {m.strip() for m in self.settings.reasoning_models.split(",") if m.strip()}
         custom = [
             ModelInfo(m["id"], m.get("tier", "balanced"), m["id"] in reasoning, custom=True,
-                      tool_runtime=m.get("tool_runtime") or self.settings.runtime_for(m["id"]))
+                      tool_runtime=m.get("tool_runtime") or self.settings.runtime_for(m["id"]),
+                      vision=m["vision"] if isinstance(m.get("vision"), bool) else m["id"] in seeing)
             for m in await self.store.read_custom_models() if m["id"] not in known
         ]
         return builtin + custom

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from chatserver.api.deps import AdminDep, StateDep
-from chatserver.api.schemas import TIERS, Lineup, ModelCreate
+from chatserver.api.schemas import TIERS, Lineup, ModelCreate, ModelPatch
 
 router = APIRouter(prefix="/api/models", tags=["models"])
 
@@ -20,7 +20,8 @@ async def list_models(state: StateDep) -> dict:
         "tiers": [
             {"tier": tier, "models": [
                 {"id": m.id, "label": m.label, "reasoning": m.reasoning, "custom": m.custom,
-                 "cache_markers": m.id not in state.turns.plain_text_models, "tool_runtime": m.tool_runtime}
+                 "cache_markers": m.id not in state.turns.plain_text_models, "tool_runtime": m.tool_runtime,
+                 "vision": m.vision}
                 for m in lineup if m.tier == tier
             ]}
             for tier in TIERS
@@ -36,10 +37,33 @@ async def add_model(body: ModelCreate, state: StateDep, admin: AdminDep) -> dict
     entry = {"id": body.id, "tier": body.tier}
     if body.tool_runtime is not None:
         entry["tool_runtime"] = body.tool_runtime
+    if body.vision is not None:
+        entry["vision"] = body.vision
     custom.append(entry)
     await state.store.write_custom_models(custom)
-    return {"id": body.id, "tier": body.tier, "custom": True,
-            "tool_runtime": body.tool_runtime or state.settings.runtime_for(body.id)}
+    return await _entry(state, body.id)
+
+
+@router.patch("/{model_id:path}")
+async def change_model(model_id: str, body: ModelPatch, state: StateDep, admin: AdminDep) -> dict:
+    """A custom model's `vision`; a built-in model's comes from VISION_MODELS and the gateway."""
+    if any(m.id == model_id for m in state.settings.lineup()):
+        return JSONResponse({"detail": "built-in models are set in .env (VISION_MODELS), not here"}, status_code=400)
+    custom = await state.store.read_custom_models()
+    entry = next((m for m in custom if m["id"] == model_id), None)
+    if entry is None:
+        return JSONResponse({"detail": "no such custom model"}, status_code=404)
+    if body.vision is not None:
+        entry["vision"] = body.vision
+        await state.store.write_custom_models(custom)
+    return await _entry(state, model_id)
+
+
+async def _entry(state: StateDep, model_id: str) -> dict:
+    """A custom model as POST and PATCH answer it."""
+    model = next(m for m in await state.lineup() if m.id == model_id)
+    return {"id": model.id, "tier": model.tier, "custom": True, "tool_runtime": model.tool_runtime,
+            "vision": model.vision}
 
 
 @router.delete("/{model_id:path}", status_code=204)

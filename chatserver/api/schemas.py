@@ -148,6 +148,7 @@ class ModelEntry(TypedDict):
     custom: bool
     cache_markers: bool  # false: its server takes plain text only, so its prompt carries no cache marker
     tool_runtime: Literal["gateway", "local", "none"]
+    vision: bool  # it reads images: a message's images go to it as image parts
 
 
 class TierEntry(TypedDict):
@@ -278,6 +279,12 @@ class ModelCreate(Strict):
     id: ModelId
     tier: Tier = "balanced"
     tool_runtime: Literal["gateway", "local", "none"] | None = None
+    # None: as VISION_MODELS and the gateway's model list say.
+    vision: StrictBool | None = None
+
+
+class ModelPatch(Strict):
+    vision: StrictBool | None = None
 
 
 class Login(Strict):

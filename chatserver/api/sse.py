@@ -17,6 +17,7 @@ from sse_starlette.sse import SendTimeoutError
 from chatserver.turns.events import (
     Compressed,
     FetchDone,
+    ImageAttached,
     ReasoningDelta,
     SearchResults,
     SearchStarted,
@@ -61,6 +62,8 @@ def payload(event: TurnEvent) -> dict | None:
             return data
         case ToolStep(data=data):
             return data
+        case ImageAttached(attachment=attachment):
+            return {"attachment": attachment}
         case TurnWarning(code=code, message=message):
             return {"code": code, "message": message}
         case TurnStarted(assistant_message_id=assistant, model=model, user_message_id=user, masked=masked):
@@ -84,7 +87,7 @@ def payload(event: TurnEvent) -> dict | None:
 
 NAMES = {"delta": "delta", "reasoning": "reasoning", "search_started": "search", "search_results": "search",
          "fetch": "fetch", "tool": "tool", "warning": "warning", "start": "start", "compression": "compression",
-         "error": "error", "done": "done"}
+         "error": "error", "done": "done", "image": "image"}
 
 
 def encode(event: TurnEvent, seq: int | None = None) -> bytes | None:

@@ -242,8 +242,9 @@ def _limit_self(max_mb: int, cpu_seconds: int) -> None:
 def draw_thumbnail(request: dict) -> dict:
     """A stored image's thumbnail written to `out`: {"thumbnail": {...}}, or a refusal as `read_file` gives."""
     try:
+        sizing = {k: request[k] for k in ("edge", "quality", "method") if request.get(k) is not None}
         return {"thumbnail": _reader("image").thumbnail(Path(request["path"]), Path(request["out"]),
-                                                        request["max_image_pixels"])}
+                                                        request["max_image_pixels"], **sizing)}
     except AttachmentError as exc:
         return {"status": exc.status, "error": str(exc).replace(request["path"], "the file")}
     except MemoryError:
@@ -291,11 +292,14 @@ class Extractor:
                                 "max_chars": max_chars, "image_out": image_out and str(image_out),
                                 "max_image_pixels": max_image_pixels, **self._limits()})
 
-    async def thumbnail(self, path: Path, out: Path, max_image_pixels: int) -> dict:
-        """Draw the thumbnail of the stored image at `path` into `out`: {"media_type", "width",
-        "height"}; AttachmentError otherwise. Call it inside `turn`."""
-        answer = await self._run({"op": "thumbnail", "path": str(path), "out": str(out),
-                                  "max_image_pixels": max_image_pixels, **self._limits()})
+    async def thumbnail(self, path: Path, out: Path, max_image_pixels: int, *, edge: int | None = None,
+                        quality: int | None = None, method: int | None = None) -> dict:
+        """Draw the thumbnail of the stored image at `path` into `out` (WebP; `edge`, `quality` and
+        the encoder's `method` default to the thumbnail's): {"media_type", "width", "height"};
+        AttachmentError otherwise. Call it inside `turn`."""
+        answer = await self._run({"op": "thumbnail", "path": str(path), "out": str(out), "edge": edge,
+                                  "quality": quality, "method": method, "max_image_pixels": max_image_pixels,
+                                  **self._limits()})
         return answer["thumbnail"]
 
     def _limits(self) -> dict:

@@ -92,6 +92,8 @@ class AttachmentNotFound(AttachmentError):
 
 
 IMAGE = "image"  # the stored meta's `kind` of an image (issue 25)
+# WebP quality of an image scaled down for a model: 85 keeps small text legible at 1568 px.
+UPSTREAM_QUALITY = 85
 
 
 def is_image(meta: dict) -> bool:
@@ -570,6 +572,25 @@ class Attachments:
             await self._draw_thumbnail(scope, meta)
         return meta, await self.blobs.open(scope.key, meta["id"], THUMBNAIL)
 
+    async def scaled(self, data: bytes, edge: int, person: str, quality: int = UPSTREAM_QUALITY) -> tuple[bytes, dict]:
+        """An image's bytes (an image as `image` gives it) at most `edge` pixels on its longer side,
+        drawn in the limited child like a thumbnail, in `person`'s turn: (WebP bytes, {"media_type",
+        "width", "height"}). What a model is sent of an image larger than IMAGE_MAX_EDGE."""
+        fd, source = self.incoming_file()
+        out_fd, out_name = self.incoming_file()
+        os.close(out_fd)
+        out = Path(out_name)
+        try:
+            await asyncio.to_thread(write_closing, fd, data)
+            async with self.extractor.turn(person):
+                # The fastest WebP effort: a turn's first token waits for this image.
+                info = await self.extractor.thumbnail(Path(source), out, self.limits.max_image_pixels,
+                                                      edge=edge, quality=quality, method=0)
+            return await asyncio.to_thread(out.read_bytes), info
+        finally:
+            Path(source).unlink(missing_ok=True)
+            out.unlink(missing_ok=True)
+
     async def _draw_thumbnail(self, scope: Scope, meta: dict) -> None:
         _, blob = await self.original(scope, meta["id"])
         fd, name = self.incoming_file()
@@ -663,6 +684,12 @@ class Attachments:
         await self.blobs.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.search_index.close()
+
+
+def write_closing(fd: int, data: bytes) -> None:
+    """Write `data` to the open file `fd` (from `incoming_file`) and close it."""
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def public(meta: dict) -> dict:
@@ -764,6 +791,11 @@ async def message_images(attachments: Attachments, conversation_id: str,
     return out
 
 
+def _listed_as(meta: dict) -> str:
+    """A file's line in the listing; an image's carries its id, which analyze_image takes."""
+    return f"{_pages_word(meta)}, id {meta['id']}" if is_image(meta) else _pages_word(meta)
+
+
 async def attachment_listing(scope: AttachmentScope | None) -> str:
     """The prompt block naming the files the tools can see (never their text); "" when there are none."""
     if scope is None:
@@ -776,7 +808,7 @@ async def attachment_listing(scope: AttachmentScope | None) -> str:
             continue
         title = ("Files attached to this conversation:" if s.source == "conversation"
                  else "Files in the person's library:")
-        blocks.append("\n".join([title, *(f"- {m['name']} ({_pages_word(m)})" for m in metas)]))
+        blocks.append("\n".join([title, *(f"- {m['name']} ({_listed_as(m)})" for m in metas)]))
     if not blocks:
         return ""
     return ("\n".join(blocks) + "\nTheir text is not shown here: use search_attachments to find passages "

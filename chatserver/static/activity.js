@@ -5,13 +5,16 @@
 //   {kind: "search", query, results: [{url, title}] | null, at, error?}
 //   {kind: "fetch", url, title, ok, at, error?}
 //   {kind: "tool", call_id, name, arguments, status: "running"|"done"|"error", summary?, error?,
-//    duration_ms?, at}   (a tool that ran on this server; one step per call, updated when it ends)
+//    duration_ms?, usage?, at}   (a tool that ran on this server; one step per call, updated when it
+//    ends; `usage` when the tool asked a model itself)
 // Everything shown (domains, counts, durations) is derived here from those raw facts, the same
 // way for a live trail and a saved one; anything else a saved step carries (an old `domains`
 // list) is ignored. Times are in seconds.
 
 import { safeUrl } from "./markdown.js";
 import { node } from "./ui.js";
+// views.js imports this module too; these are only called when a step is drawn, after both loaded.
+import { COST_UNKNOWN, formatCost, formatTokens } from "./views.js";
 
 /**
  * Fold one turn-stream event (reasoning, search, fetch) into `steps`, in place. Returns the index
@@ -174,6 +177,14 @@ function renderStep(step) {
     if (args) li.append(node("div", "step-args", args));
     const note = step.status === "error" ? step.error || step.summary : step.summary;
     if (note) li.append(node("div", "step-note", note));
+    // A tool that asked a model (analyze_image asks VISION_MODEL): which, and what it cost.
+    if (step.usage) {
+      const u = step.usage;
+      const cost = u.cost == null ? COST_UNKNOWN : formatCost(u.cost);
+      const usage = node("div", "step-usage", `${u.model || "model"} · ${formatTokens(u.input_tokens)} in · ${formatTokens(u.output_tokens)} out · ${cost}`);
+      usage.dataset.test = "tool-usage";
+      li.append(usage);
+    }
   } else if (step.kind === "fetch") {
     const title = step.title || domainOf(step.url);
     const line = node("div", "step-title", step.ok ? "Read " : "Could not read ");

@@ -51,8 +51,9 @@ export const api = {
   login: (token) => request("POST", "/api/login", { token }),
   models: () => request("GET", "/api/models"),
   // Ids may contain "/" (OpenRouter style) and the route takes the rest of the path.
-  addModel: (id, tier, toolRuntime) =>
-    request("POST", "/api/models", toolRuntime ? { id, tier, tool_runtime: toolRuntime } : { id, tier }),
+  addModel: (id, tier, toolRuntime, vision) =>
+    request("POST", "/api/models", { id, tier, vision, ...(toolRuntime ? { tool_runtime: toolRuntime } : {}) }),
+  changeModel: (id, change) => request("PATCH", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`, change),
   removeModel: (id) => request("DELETE", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`),
   presets: () => request("GET", "/api/presets"),
   tools: () => request("GET", "/api/tools"),

@@ -3,8 +3,8 @@
 // Every node is built with createElement/textContent, so nothing in the text can become markup:
 // `<script>` or `<img onerror>` in a reply stays visible text. Links are kept only for http and
 // https. It covers what chat replies use (headings, lists and task lists, quotes, fenced code,
-// tables, emphasis, inline code, links, footnotes, maths) and deliberately not raw HTML, images or
-// reference links. Maths is only marked out here (its TeX kept exactly as written, escapes and
+// tables, emphasis, inline code, links, footnotes, maths) and deliberately not raw HTML or reference
+// links; an image is a placeholder that loads nothing by itself (`hooks.image`). Maths is only marked out here (its TeX kept exactly as written, escapes and
 // all); highlighting and drawing formulas are the page's hooks (richtext.js).
 //
 // Model output is hostile input, and one reply that freezes the tab freezes it on every reload.
@@ -30,11 +30,11 @@ const MAX_BARE_URL = 2048;
 export const work = { steps: 0 };
 
 /**
- * What the page plugs in (richtext.js): `highlight(codeEl, code, lang)` for a finished code block
- * and `math(el, tex, display)` for a formula. Unset (as under node), code stays plain text and a
+ * What the page plugs in (richtext.js): `highlight(codeEl, code, lang)` for a finished code block,
+ * `math(el, tex, display)` for a formula and `image(placeholder, {url, raw, alt})` for an image. Unset (as under node), code stays plain text and a
  * formula shows its TeX source. The renderer itself stays pure and its work bounded.
  */
-export const hooks = { highlight: null, math: null };
+export const hooks = { highlight: null, math: null, image: null };
 
 // Footnotes of the render under way: label -> {id, n}, and the prefix that keeps ids unique.
 let notes = null;
@@ -831,8 +831,10 @@ class InlineParser {
     if (t[j] !== "(") return null;
     const close = partner[j];
     if (close === -1 || close >= end) return null;
-    const url = safeUrl(linkDestination(t.slice(j + 1, close)));
+    const destination = linkDestination(t.slice(j + 1, close));
+    const url = safeUrl(destination);
     const isImage = labelStart === i + 2;
+    if (isImage && url && !this.inLink) return { node: imagePlaceholder(url, destination.trim(), t.slice(labelStart, labelEnd)), end: close + 1 };
     if (!url) {
       // Unsafe or relative target: keep the words, drop the link.
       const span = el("span");
@@ -972,6 +974,28 @@ function count(s, ch) {
   let n = 0;
   for (let k = s.indexOf(ch); k !== -1; k = s.indexOf(ch, k + 1)) n++;
   return n;
+}
+
+/**
+ * A reply's image, not loaded: loading it from its own address would tell that host who read the
+ * reply, and when. The placeholder names the host; the page's `hooks.image` decides what a click
+ * does (richtext.js: fetch it through this server). `raw` is the address exactly as the reply
+ * wrote it, which is what the server looks for in the reply.
+ */
+function imagePlaceholder(url, raw, alt) {
+  const box = el("span", "remote-image");
+  box.dataset.test = "remote-image";
+  const host = new URL(url).host;
+  const load = el("button", "remote-image-load");
+  load.type = "button";
+  load.textContent = `Image from ${host}${alt ? `: ${alt}` : ""}`;
+  load.title = `Load this image through this server (${host} is not contacted until you click)`;
+  const open = anchor(url);
+  open.className = "remote-image-open";
+  open.textContent = "open in new tab";
+  box.append(load, " ", open);
+  if (hooks.image) hooks.image(box, { url, raw, alt });
+  return box;
 }
 
 function anchor(url) {

@@ -275,8 +275,19 @@ export class SettingsPanel {
         const li = node("li");
         li.append(node("span", "lineup-id", model.id));
         if (model.reasoning) li.append(badge("thinks"));
+        // Built-in models see as VISION_MODELS and the gateway's list say; a custom one as set here.
+        if (model.vision && !model.custom) li.append(badge("sees images"));
         if (model.id === models.default) li.append(badge("default"));
         if (model.custom) {
+          const sees = node("label", "check-inline");
+          const box = document.createElement("input");
+          box.type = "checkbox";
+          box.checked = Boolean(model.vision);
+          box.dataset.test = "model-vision";
+          box.setAttribute("aria-label", `${model.id} sees images`);
+          box.addEventListener("change", () => this.setVision(model.id, box.checked));
+          sees.append(box, " sees images");
+          li.append(sees);
           const remove = document.createElement("button");
           remove.type = "button";
           remove.className = "small";
@@ -296,13 +307,27 @@ export class SettingsPanel {
     const id = $("model-add-id").value.trim();
     if (!id) return;
     try {
-      await api.addModel(id, $("model-add-tier").value, $("model-add-runtime").value || undefined);
+      await api.addModel(id, $("model-add-tier").value, $("model-add-runtime").value || undefined,
+        $("model-add-vision").checked);
       $("model-add-id").value = "";
+      $("model-add-vision").checked = false;
       await this.app.modelsChanged();
       this.renderLineup();
       setStatus("models-status", `Added ${id}.`);
     } catch (err) {
       setStatus("models-status", err.message, true);
+    }
+  }
+
+  async setVision(id, vision) {
+    try {
+      await api.changeModel(id, { vision });
+      await this.app.modelsChanged();
+      this.renderLineup();
+      setStatus("models-status", vision ? `${id} now receives images.` : `${id} no longer receives images.`);
+    } catch (err) {
+      setStatus("models-status", err.message, true);
+      this.renderLineup();
     }
   }
 

@@ -251,6 +251,9 @@ function handleEvent(turn, event, data) {
     case "warning":
       view.addWarning(data.message, data.code);
       break;
+    case "image":
+      view.addImage(data.attachment.id);
+      break;
   }
 }
 

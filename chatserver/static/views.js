@@ -6,6 +6,8 @@ import { renderFacts } from "./facts.js";
 import { ActivityTrail, accumulateActivity, renderCitations } from "./activity.js";
 import { StreamingMarkdown, renderMarkdown } from "./markdown.js";
 import "./richtext.js";
+import "./remoteimage.js";
+import { store } from "./store.js";
 import { button, node } from "./ui.js";
 
 const tokensFormat = new Intl.NumberFormat("en-US");
@@ -253,10 +255,11 @@ export class AssistantView {
     this.steps = [];
     this.trail = new ActivityTrail();
     this.body = node("div", "bubble markdown");
+    this.images = node("div", "reply-images");
     this.warnings = node("div", "warnings");
     this.footer = node("div", "message-footer");
     this.actions = node("div", "message-actions");
-    this.el.append(this.trail.el, this.body, this.warnings, this.footer, this.actions);
+    this.el.append(this.trail.el, this.body, this.images, this.warnings, this.footer, this.actions);
   }
 
   static fromMessage(message, { reasoning = false } = {}) {
@@ -264,6 +267,7 @@ export class AssistantView {
     view.text = message.content || "";
     view.steps = message.activity || [];
     view.body.replaceChildren(renderMarkdown(view.text));
+    for (const id of message.attachment_ids || []) view.addImage(id);
     for (const w of message.warnings || []) view.addWarning(w.message, w.code);
     view.setFinal(message.status || "complete", message.usage, message.citations);
     return view;
@@ -278,7 +282,28 @@ export class AssistantView {
   }
 
   get isEmpty() {
-    return !this.text && !this.steps.length;
+    return !this.text && !this.steps.length && !this.images.childElementCount;
+  }
+
+  /**
+   * An image the model returned (stored as a file of the conversation): its thumbnail, opening the
+   * file full size. Both come from this server's own routes.
+   */
+  addImage(attachmentId) {
+    const convId = store.conv?.id;
+    if (!convId) return;
+    const base = `/api/conversations/${encodeURIComponent(convId)}/attachments/${encodeURIComponent(attachmentId)}`;
+    const link = node("a", "reply-image-link");
+    link.href = base;
+    link.target = "_blank";
+    link.rel = "noopener";
+    const img = node("img", "reply-image");
+    img.src = `${base}/thumbnail`;
+    img.alt = "image from the model";
+    img.dataset.test = "reply-image";
+    img.dataset.id = attachmentId;
+    link.append(img);
+    this.images.append(link);
   }
 
   addText(text) {

@@ -66,6 +66,9 @@ class ToolOutput:
     text: str
     summary: str | None = None
     citations: tuple[dict, ...] = ()
+    # What a model the tool asked cost (context.normalize_usage's record, plus "model"): shown in
+    # the trail and counted in the turn's usage.
+    usage: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,7 @@ class ToolResult:
     duration_ms: int
     citations: tuple[dict, ...] = ()
     error: str | None = None
+    usage: dict | None = None
 
     def event(self) -> dict:
         """The data of the finished `tool` turn event (API.md)."""
@@ -88,6 +92,8 @@ class ToolResult:
                 "status": "done" if self.ok else "error", "summary": self.summary, "duration_ms": self.duration_ms}
         if self.error is not None:
             data["error"] = self.error
+        if self.usage is not None:
+            data["usage"] = self.usage
         return data
 
     def chat_message(self) -> dict:
@@ -126,6 +132,9 @@ class ToolContext:
     memory_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The server's file readers (the uploads' own): web_fetch reads a PDF through them, in `owner`'s turn.
     extractor: Extractor | None = None
+    # Asks VISION_MODEL about an image: (image, question) -> (answer, usage). Set by a turn that
+    # offers `analyze_image`.
+    ask_vision: Callable[[attachments.StoredImage, str], Awaitable[tuple[str, dict]]] | None = None
 
 
 _current: ContextVar[ToolContext | None] = ContextVar("tool_context", default=None)
@@ -268,7 +277,7 @@ class Registry:
                                 "server, not in your arguments", started, expected=False)
         text = _capped(output.text)
         return ToolResult(call_id, name, arguments, text, True, _short(output.summary or output.text),
-                          _elapsed_ms(started), tuple(output.citations))
+                          _elapsed_ms(started), tuple(output.citations), usage=output.usage)
 
     async def run_batch(self, calls: Sequence[Call], enabled: Iterable[str], *,
                         on_result: Callable[[ToolResult], None] | None = None,
@@ -597,3 +606,24 @@ async def _read_attachment(
 ) -> ToolOutput:
     """Read a page range of an attached file (documents other than PDF have numbered sections instead of pages); a long range is cut short and says where to continue."""  # noqa: E501
     return _from_attachments(await attachments.read_attachment(name, start_page, end_page, offset))
+
+
+@registry.tool(name="analyze_image", requires=lambda s: bool(s.vision_model))
+async def _analyze_image(
+    image_id: Annotated[str, Field(min_length=1, max_length=64,
+                                   description="The image's id, as its message or the file list gives it.")],
+    question: Annotated[str, Field(min_length=1, max_length=2000,
+                                   description="What to find out about the image; ask for detail, text or numbers you need.")],
+) -> ToolOutput:
+    """Look at an image attached to this conversation: a vision model answers the question about it (you cannot see images yourself)."""  # noqa: E501
+    ctx = current_context()
+    if ctx is None or ctx.ask_vision is None:
+        raise ToolError("no image can be looked at outside a conversation turn")
+    try:
+        image = await attachments.turn_image(image_id)  # the turn's scope decides whose images, never the model
+    except attachments.AttachmentNotFound:
+        raise ToolError(f"no image with id {image_id!r} is attached to this conversation (not found)") from None
+    answer, usage = await ctx.ask_vision(image, question)
+    model = ctx.settings.vision_model
+    return ToolOutput(answer, f"{image.name}: {answer}", usage={"model": model, **usage})
+

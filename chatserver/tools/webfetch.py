@@ -206,21 +206,21 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context(trust_env=False)
 
 
-def pinned_request(client: httpx.AsyncClient, target: Target, address: str) -> httpx.Request:
+def pinned_request(client: httpx.AsyncClient, target: Target, address: str, accept: str = ACCEPT) -> httpx.Request:
     """A GET to `address` that still names the host: Host header, and for https the SNI and certificate name."""
     url = target.url.copy_with(host=address, fragment=None)
-    headers = {"Host": target.url.netloc.decode("ascii"), "User-Agent": USER_AGENT, "Accept": ACCEPT}
+    headers = {"Host": target.url.netloc.decode("ascii"), "User-Agent": USER_AGENT, "Accept": accept}
     # httpcore uses sni_hostname as the TLS server_hostname, which is what the certificate is verified against.
     extensions = {"sni_hostname": target.host} if target.url.scheme == "https" else {}
     return client.build_request("GET", url, headers=headers, extensions=extensions)
 
 
-async def _open(client: httpx.AsyncClient, target: Target) -> httpx.Response:
+async def _open(client: httpx.AsyncClient, target: Target, accept: str = ACCEPT) -> httpx.Response:
     """Connect to the first checked address that answers."""
     last: Exception | None = None
     for address in target.addresses:
         try:
-            return await client.send(pinned_request(client, target, address), stream=True)
+            return await client.send(pinned_request(client, target, address, accept), stream=True)
         except httpx.ConnectError as exc:
             last = exc
     raise FetchError(f"could not connect to {target.host} ({type(last).__name__}: {last})")
@@ -241,6 +241,46 @@ async def _read_capped(response: httpx.Response, max_bytes: int) -> tuple[bytes,
     return b"".join(chunks), False
 
 
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """One answer's bytes, fetched under the address rules, before anything reads them."""
+
+    url: str  # after redirects
+    body: bytes
+    content_type: str  # as the server declared it, lower case, without parameters ("" when missing)
+    charset: str | None
+    truncated: bool  # reading stopped at max_bytes
+
+
+async def fetch_bytes(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = 30.0,
+                      allow_hosts: Iterable[str] = (), resolve: Resolver | None = None,
+                      max_redirects: int = MAX_REDIRECTS, tls: ssl.SSLContext | None = None,
+                      accept: str = ACCEPT) -> Fetched:
+    """GET `url` under the rules in the module docstring: its bytes, at most `max_bytes` of them."""
+    resolve = resolve or system_resolve
+    allow = tuple(allow_hosts)
+    current: str | httpx.URL = url.strip()
+    # trust_env=False: a proxy from the environment would do its own DNS lookup, undoing the pinning.
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False,
+                                 verify=tls or _tls()) as client:
+        for _ in range(max_redirects + 1):
+            target = await check(current, resolve, allow)
+            response = await _open(client, target, accept)
+            try:
+                location = response.headers.get("location")
+                if response.status_code in REDIRECTS and location:
+                    current = target.url.join(location)
+                    continue
+                if response.status_code >= 400:
+                    raise FetchError(f"{target.host} answered HTTP {response.status_code}")
+                body, truncated = await _read_capped(response, max_bytes)
+                content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                return Fetched(str(target.url), body, content_type, response.charset_encoding, truncated)
+            finally:
+                await response.aclose()
+    raise FetchError(f"more than {max_redirects} redirects")
+
+
 async def fetch(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = 30.0,
                 allow_hosts: Iterable[str] = (), resolve: Resolver | None = None,
                 max_redirects: int = MAX_REDIRECTS, tls: ssl.SSLContext | None = None,
@@ -251,30 +291,37 @@ async def fetch(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float 
     A PDF is read by `extractor` in `person`'s turn (the server's, shared with uploads), or without
     one by a child under extraction.py's default limits.
     """
-    resolve = resolve or system_resolve
-    allow = tuple(allow_hosts)
-    current: str | httpx.URL = url.strip()
-    # trust_env=False: a proxy from the environment would do its own DNS lookup, undoing the pinning.
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False,
-                                 verify=tls or _tls()) as client:
-        for _ in range(max_redirects + 1):
-            target = await check(current, resolve, allow)
-            response = await _open(client, target)
-            try:
-                location = response.headers.get("location")
-                if response.status_code in REDIRECTS and location:
-                    current = target.url.join(location)
-                    continue
-                if response.status_code >= 400:
-                    raise FetchError(f"{target.host} answered HTTP {response.status_code}")
-                body, truncated = await _read_capped(response, max_bytes)
-                content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-                charset = response.charset_encoding
-            finally:
-                await response.aclose()
-            return await _page(str(target.url), body, content_type, charset, truncated,
-                               extractor or Extractor(), person, pdf_max_pages)
-    raise FetchError(f"more than {max_redirects} redirects")
+    got = await fetch_bytes(url, max_bytes=max_bytes, timeout=timeout, allow_hosts=allow_hosts, resolve=resolve,
+                            max_redirects=max_redirects, tls=tls)
+    return await _page(got.url, got.body, got.content_type, got.charset, got.truncated,
+                       extractor or Extractor(), person, pdf_max_pages)
+
+
+# The raster formats a browser shows by their first bytes. SVG is not among them: it is a document
+# that can carry script, and it would be served from this site's own origin.
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+               (b"GIF89a", "image/gif"))
+IMAGE_ACCEPT = "image/png,image/jpeg,image/gif,image/webp;q=0.9"
+
+
+def image_type(body: bytes) -> str | None:
+    """The media type of a PNG, JPEG, GIF or WebP by its magic bytes (never by a declared type)."""
+    if body[:4] == b"RIFF" and body[8:12] == b"WEBP":
+        return "image/webp"
+    return next((kind for magic, kind in IMAGE_MAGIC if body.startswith(magic)), None)
+
+
+async def fetch_image(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = 30.0,
+                      allow_hosts: Iterable[str] = (), resolve: Resolver | None = None) -> tuple[bytes, str]:
+    """A whole raster image (bytes, media type read from them) under the same rules as a page."""
+    got = await fetch_bytes(url, max_bytes=max_bytes, timeout=timeout, allow_hosts=allow_hosts, resolve=resolve,
+                            accept=IMAGE_ACCEPT)
+    if got.truncated:
+        raise FetchError(f"the image is larger than {max_bytes:,} bytes (FETCH_MAX_BYTES)")
+    kind = image_type(got.body)
+    if kind is None:
+        raise FetchError("that address is not a PNG, JPEG, GIF or WebP image")
+    return got.body, kind
 
 
 async def _page(url: str, body: bytes, content_type: str, charset: str | None, truncated: bool,

@@ -31,7 +31,7 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import tiktoken
@@ -192,7 +192,7 @@ class Prompt:
         for m in self.messages:
             content = m["content"] or ""
             total += count_tokens(content) if isinstance(content, str) else sum(
-                count_tokens(p.get("text", "")) for p in content)
+                count_tokens(p.get("text", "")) + p.get("tokens", 0) for p in content)
             total += sum(count_tokens(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
         return total
 
@@ -240,10 +240,12 @@ def expand_rounds(message: dict) -> list[dict]:
     return out
 
 
-def wire_history(messages: list[dict], *, rounds: bool = True) -> list[dict]:
+def wire_history(messages: list[dict], *, rounds: bool = True, extras: Mapping[str, list[dict]] | None = None
+                 ) -> list[dict]:
     """Provider-neutral history: notices and empty messages never go upstream; a reply's tool rounds
     go with it (chat shape; `upstream.messages.as_blocks` makes blocks of them), or with
-    `rounds=False` only its text."""
+    `rounds=False` only its text. `extras` (message id -> parts) puts parts before a message's
+    text: its images (neutral `{"type": "image"}` parts the wire modules shape) or notes about them."""
     out: list[dict] = []
     for m in messages:
         if not is_history(m):
@@ -251,12 +253,22 @@ def wire_history(messages: list[dict], *, rounds: bool = True) -> list[dict]:
         if rounds and m.get("rounds"):
             out += expand_rounds(m)
         elif (m.get("content") or "").strip():
-            out.append({"role": m["role"], "content": m["content"]})
+            parts = extras.get(m.get("id", "")) if extras else None
+            content = [*parts, {"type": "text", "text": m["content"]}] if parts else m["content"]
+            out.append({"role": m["role"], "content": content})
     return out
 
 
+def message_images(message: dict, image_tokens: Mapping[str, int]) -> int:
+    """The estimated tokens of the images a message of the person carries (0 for any other message)."""
+    if message.get("role") != "user":
+        return 0
+    return sum(image_tokens.get(aid, 0) for aid in message.get("attachment_ids") or ())
+
+
 def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
-                 tool_instructions: str | None = None, attachments: str = "") -> Prompt:
+                 tool_instructions: str | None = None, attachments: str = "",
+                 extras: Mapping[str, list[dict]] | None = None) -> Prompt:
     """[persona][memory][summary] (marker on the last) [date][tool instructions] + history.
 
     Most stable first, so a provider's prefix cache keeps hitting: the date (a date, never a
@@ -278,14 +290,12 @@ def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
         system.append({"type": "text", "text": attachments.strip()})
     if tool_instructions and tool_instructions.strip():
         system.append({"type": "text", "text": tool_instructions.strip()})
-    messages = wire_history(conv["messages"])
-    if settings.cache_history_breakpoint and messages and isinstance(messages[-1]["content"], str) \
-            and messages[-1]["role"] != "tool":
+    messages = wire_history(conv["messages"], extras=extras)
+    if settings.cache_history_breakpoint and messages and messages[-1]["content"] and messages[-1]["role"] != "tool":
         last = messages[-1]
-        messages[-1] = {
-            "role": last["role"],
-            "content": [{"type": "text", "text": last["content"], "cache_control": cache_marker(settings)}],
-        }
+        parts = [{"type": "text", "text": last["content"]}] if isinstance(last["content"], str) else last["content"]
+        # The marker closes the last part (the text, after any images): everything before it is cached.
+        messages[-1] = {"role": last["role"], "content": [*parts[:-1], {**parts[-1], "cache_control": cache_marker(settings)}]}
     return Prompt(system, messages)
 
 
@@ -304,40 +314,48 @@ def _last_measured_reply(messages: list[dict]) -> int | None:
     return None
 
 
-def prompt_size(conv: dict, memory: str, settings: Settings) -> tuple[int, bool]:
+def prompt_size(conv: dict, memory: str, settings: Settings,
+                image_tokens: Mapping[str, int] | None = None) -> tuple[int, bool]:
     """(tokens the next request's prompt will hold, whether that rests on a measurement).
 
     Measured: `last_prompt_tokens` + the reply it produced (its measured output tokens) + an
     estimate of every message since (the new one included). Reasoning tokens are part of the
     output count though they are not sent back: an over-estimate, on the safe side. Before the
     first measurement, or after a compression replaced the prompt it measured
-    (`last_prompt_tokens` is then None), everything is estimated.
+    (`last_prompt_tokens` is then None), everything is estimated. `image_tokens` (attachment id ->
+    estimate) counts the images the model is sent, the same way: estimated until measured.
     """
     measured = conv.get("last_prompt_tokens")
     anchor = _last_measured_reply(conv["messages"])
+    images = image_tokens or {}
     if measured is None or anchor is None:
         prompt = build_prompt(conv, memory, settings, today=dt.date.today())
         layers = sum(estimate_tokens(p["text"]) for p in prompt.system)
-        return layers + sum(estimate_tokens(m["content"] or "") for m in wire_history(conv["messages"])), False
+        return layers + sum(estimate_tokens(m["content"] or "") for m in wire_history(conv["messages"])) + \
+            sum(message_images(m, images) for m in conv["messages"] if is_history(m)), False
     since = conv["messages"][anchor + 1:]
     reply = conv["messages"][anchor]["usage"].get("output_tokens") or 0
-    return measured + reply + sum(estimate_tokens(m["content"] or "") for m in wire_history(since)), True
+    return measured + reply + sum(estimate_tokens(m["content"] or "") for m in wire_history(since)) + \
+        sum(message_images(m, images) for m in since if is_history(m)), True
 
 
-def project(conv: dict, memory: str, settings: Settings) -> int:
+def project(conv: dict, memory: str, settings: Settings, image_tokens: Mapping[str, int] | None = None) -> int:
     """Step 1: the next request's size, completion reserve (MAX_COMPLETION_TOKENS) included."""
-    return prompt_size(conv, memory, settings)[0] + settings.max_completion_tokens
+    return prompt_size(conv, memory, settings, image_tokens)[0] + settings.max_completion_tokens
 
 
-def context_breakdown(conv: dict, memory: str, settings: Settings) -> dict:
+def context_breakdown(conv: dict, memory: str, settings: Settings,
+                      image_tokens: Mapping[str, int] | None = None) -> dict:
     """Token counts behind the context bar: the system layers counted, history the rest of the prompt,
-    and the completion reserve that the compression trigger counts too."""
+    and the completion reserve that the compression trigger counts too. `images` is the estimate
+    for the images the prompt carries (part of history)."""
     persona = count_tokens(conv["settings"].get("system_prompt", ""))
     memory_tokens = count_tokens(memory_block(memory))
     summary = count_tokens(summary_block(conv.get("summary", "")))
-    size, measured = prompt_size(conv, memory, settings)
+    size, measured = prompt_size(conv, memory, settings, image_tokens)
+    images = sum(message_images(m, image_tokens or {}) for m in conv["messages"] if is_history(m))
     return {"budget": budget_of(conv, settings), "persona": persona, "memory": memory_tokens, "summary": summary,
-            "history": max(0, size - persona - memory_tokens - summary),
+            "history": max(0, size - persona - memory_tokens - summary), "images": images,
             "reserve": settings.max_completion_tokens, "measured": measured}
 
 
@@ -380,10 +398,17 @@ def fold_point(messages: list[dict], keep: int, *, pending: bool) -> int:
     return cut
 
 
-def transcript(summary: str, messages: list[dict]) -> str:
-    """What the summarizer reads: the previous summary, then the messages leaving the window."""
+def transcript(summary: str, messages: list[dict], images: Mapping[str, str] | None = None) -> str:
+    """What the summarizer reads: the previous summary, then the messages leaving the window. A
+    message's images (`images`: attachment id -> how to name it) are named where they were sent,
+    so the summary can keep what was said about them once they leave the prompt."""
     parts = ["Previous summary:", summary.strip() or "(none yet)", "", "Messages to fold:"]
-    parts += [f"\n{m['role']}: {m['content'].strip()}" for m in wire_history(messages, rounds=False)]
+    for m in messages:
+        if not is_history(m) or not (m.get("content") or "").strip():
+            continue
+        shown = [images[aid] for aid in m.get("attachment_ids") or () if images and aid in images]
+        attached = "".join(f"\n[image attached: {name}]" for name in shown)
+        parts.append(f"\n{m['role']}: {m['content'].strip()}{attached}")
     return "\n".join(parts)
 
 
@@ -534,7 +559,8 @@ class Compression:
         conv["last_prompt_tokens"] = None
 
 
-async def compress(conv: dict, settings: Settings, summarize: Summarize, *, pending: bool) -> Compression:
+async def compress(conv: dict, settings: Settings, summarize: Summarize, *, pending: bool,
+                   images: Mapping[str, str] | None = None) -> Compression:
     """Fold the messages older than the recent window into the rolling summary (one summarizer call).
 
     Nothing happens (no call, empty `history`) when nothing is old enough. When the summarizer
@@ -550,7 +576,7 @@ async def compress(conv: dict, settings: Settings, summarize: Summarize, *, pend
         return Compression(frozenset(), (), None, count_tokens(previous))
     leaving = frozenset(m["id"] for m in messages[:cut])
     # str.replace, not str.format: the template holds the JSON answer's braces.
-    request = compression_prompt(conv).replace(TRANSCRIPT, transcript(previous, list(history)))
+    request = compression_prompt(conv).replace(TRANSCRIPT, transcript(previous, list(history), images))
     usage = None
     try:
         text, finish, raw = await summarize([{"role": "user", "content": request}])

@@ -72,6 +72,23 @@ class CitationFound:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageProduced:
+    """An image the model returned as output (chat `images`: OpenRouter's image generation)."""
+
+    media_type: str
+    data: bytes
+    type: Literal["image_produced"] = "image_produced"
+
+
+@dataclass(frozen=True, slots=True)
+class ImageAttached:
+    """An image the model returned, stored as the reply's attachment (`attachment`: its public meta)."""
+
+    attachment: dict
+    type: Literal["image"] = "image"
+
+
+@dataclass(frozen=True, slots=True)
 class UsageReport:
     """One request's usage exactly as the vendor reported it; `context.normalize_usage` reads every dialect."""
 
@@ -132,7 +149,7 @@ class ToolRound:
 
 Event = (
     TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone | CitationFound
-    | UsageReport | Finished | TurnWarning | ToolCallsRequested | ToolStep | ToolRound
+    | UsageReport | Finished | TurnWarning | ToolCallsRequested | ToolStep | ToolRound | ImageProduced | ImageAttached
 )
 
 
@@ -181,7 +198,7 @@ class TurnDone:
 
 TurnEvent = (
     TurnStarted | Compressed | TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone
-    | TurnWarning | TurnFailed | TurnDone | ToolStep
+    | TurnWarning | TurnFailed | TurnDone | ToolStep | ImageAttached
 )
 
 
@@ -201,6 +218,8 @@ class Reply:
     finish_reason: str | None = None
     searches: int = 0
     fetches: int = 0
+    # Images the model returned, stored as attachments of the conversation: the reply's own.
+    attachment_ids: list[str] = field(default_factory=list)
 
     def end_running_tools(self, reason: str = "stopped") -> None:
         """Mark calls that never finished (Stop, a failure) as failed, so the trail does not spin forever."""
@@ -211,7 +230,7 @@ class Reply:
     @property
     def has_output(self) -> bool:
         """True once anything the person can see has arrived (text, thought, tool step)."""
-        return bool(self.text or self.reasoning or self.activity)
+        return bool(self.text or self.reasoning or self.activity or self.attachment_ids)
 
 
 def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
@@ -271,6 +290,8 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
                     _cite(reply.citations, citation)
         case ToolRound(round=done):
             reply.rounds.append(done)
+        case ImageAttached(attachment=attachment):
+            reply.attachment_ids.append(attachment["id"])
         case UsageReport(raw=raw):
             reply.usages.append(raw)
         case Finished(reason=reason):

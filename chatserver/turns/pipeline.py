@@ -24,8 +24,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+from fastapi import HTTPException
 
-from chatserver.attachments.store import Attachments, attachment_context, attachment_listing
+from chatserver.attachments.store import (
+    AttachmentError,
+    Attachments,
+    StoredImage,
+    attachment_context,
+    attachment_listing,
+    conversation_scope,
+    image_words,
+    is_image,
+    write_closing,
+)
 from chatserver.config import ModelInfo, Settings
 from chatserver.conversations import branches, pii
 from chatserver.conversations.document import new_id, now_iso, recover_interrupted
@@ -33,11 +44,13 @@ from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.conversations.usage import add_usage, count_reply
 from chatserver.store.files import Change, NotFound, OwnerStore, StoreUnavailable, TurnLock
 from chatserver.tools import registry as tools
-from chatserver.turns import context, titles
+from chatserver.turns import context, images, titles
 from chatserver.turns.claim import Claim
 from chatserver.turns.events import (
     Compressed,
     Event,
+    ImageAttached,
+    ImageProduced,
     ReasoningDelta,
     Reply,
     TextDelta,
@@ -58,6 +71,9 @@ log = logging.getLogger("chat.turns")
 NEW_TITLE = "New conversation"
 # How long a turn that ended while the store was down keeps trying to release its lock.
 ATTACHMENT_TOOLS = ("search_attachments", "read_attachment")
+VISION_TOOL = "analyze_image"
+# What VISION_MODEL may answer about one image for `analyze_image`.
+VISION_MAX_TOKENS = 1024
 
 
 class NothingToAnswer(Exception):
@@ -168,6 +184,12 @@ class Turn:
         return self.outcome is not Outcome.PENDING
 
 
+def carries_files(conv: dict) -> bool:
+    """Whether a message of the prompt names files (only then can it carry images): a turn without
+    any skips listing the conversation's files for them."""
+    return any(m.get("attachment_ids") for m in conv["messages"])
+
+
 def title_from(text: str, limit: int = 60) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), NEW_TITLE)
     if len(line) <= limit:
@@ -215,6 +237,8 @@ class Turns:
         # Work that follows a turn (its title), kept so it is not collected mid-flight and can be awaited.
         self.background: set[asyncio.Task] = set()
         self._naming: set[str] = set()  # conversations whose title call is under way
+        # Images scaled for upstream, once each (the same image rides in every turn until folded).
+        self.scaler = images.Scaler()
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
                     parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None) -> Turn:
@@ -269,6 +293,91 @@ class Turns:
         """Whether a turn may use this model: only the lineup's go upstream."""
         lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
         return any(m.id == model for m in lineup)
+
+    async def sees(self, model: str) -> bool:
+        """Whether this model reads images (the lineup's `vision`): only such a model is sent them."""
+        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
+        return any(m.id == model and m.vision for m in lineup)
+
+    async def conversation_images(self, conv_id: str) -> dict[str, dict]:
+        """The conversation's images (their stored meta) by id."""
+        if self.attachments is None:
+            return {}
+        return {m["id"]: m for m in await self.attachments.list(conversation_scope(conv_id)) if is_image(m)}
+
+    async def image_tokens(self, conv: dict, model: str, found: dict[str, dict] | None = None) -> dict[str, int]:
+        """Attachment id -> the estimated tokens of that image as `model` is sent it (none when it cannot see)."""
+        if not carries_files(conv) or not await self.sees(model):
+            return {}
+        found = await self.conversation_images(conv["id"]) if found is None else found
+        edge = self.settings.image_max_edge
+        return {aid: images.image_tokens(model, *images.fitted(m["width"], m["height"], edge))
+                for aid, m in found.items()}
+
+    async def _image_extras(self, turn: Turn, conv: dict, found: dict[str, dict], vision: bool) -> dict[str, list[dict]]:
+        """What goes before each of the person's messages that carries images: the images themselves
+        (scaled) for a model that sees, else a note naming each (and its id, for `analyze_image`)."""
+        carrying = {m["id"]: [aid for aid in m.get("attachment_ids") or () if aid in found]
+                    for m in conv["messages"] if m.get("role") == "user" and context.is_history(m)}
+        carrying = {mid: ids for mid, ids in carrying.items() if ids}
+        if not vision:
+            return {mid: [{"type": "text", "text": self._image_note(found[aid])} for aid in ids]
+                    for mid, ids in carrying.items()}
+        wanted = list(dict.fromkeys(aid for ids in carrying.values() for aid in ids))
+        scaled = await asyncio.gather(*(self._scaled(turn, aid) for aid in wanted))
+        parts = {aid: s.part(images.image_tokens(turn.model, s.width, s.height)) for aid, s in zip(wanted, scaled)}
+        return {mid: [parts[aid] for aid in ids] for mid, ids in carrying.items()}
+
+    @staticmethod
+    def _image_note(meta: dict) -> str:
+        size = image_words(meta).removeprefix("image, ")
+        return (f"[Attached image {meta['name']} (id {meta['id']}, {size}). You cannot see images: "
+                "if the analyze_image tool is offered, call it with this id to ask about the image.]")
+
+    async def _scaled(self, turn: Turn, attachment_id: str) -> images.Scaled:
+        async def load() -> tuple[bytes, str, int, int]:
+            assert self.attachments is not None
+            stored = await self.attachments.image(conversation_scope(turn.conv_id), attachment_id)
+            return stored.data, stored.media_type, stored.width, stored.height
+
+        return await self.scaler.scaled(attachment_id, load, self._shrinker(turn.store.owner),
+                                        self.settings.image_max_edge)
+
+    def _shrinker(self, person: str) -> images.Shrink:
+        """How `person`'s images are drawn smaller: in the attachments' limited child, in their turn."""
+        async def shrink(data: bytes, edge: int) -> tuple[bytes, dict]:
+            assert self.attachments is not None
+            return await self.attachments.scaled(data, edge, person)
+
+        return shrink
+
+    async def ask_vision(self, image: StoredImage, question: str, person: str) -> tuple[str, dict]:
+        """`analyze_image`'s call: VISION_MODEL answers `question` about the image (scaled like any)."""
+        model = self.settings.vision_model
+        if model is None or self.attachments is None:
+            raise tools.ToolError("no vision model is configured (VISION_MODEL)")
+
+        async def load() -> tuple[bytes, str, int, int]:
+            return image.data, image.media_type, image.width, image.height
+
+        try:
+            scaled = await self.scaler.scaled(image.id, load, self._shrinker(person), self.settings.image_max_edge)
+        except AttachmentError as exc:
+            raise tools.ToolError(f"the image could not be prepared: {exc}") from None
+        part = scaled.part(images.image_tokens(model, scaled.width, scaled.height))
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
+        body = chat.build_body(model, [], messages, max_tokens=VISION_MAX_TOKENS, params=self.settings.params_for(model),
+                               stream=False)
+        try:
+            text, finish, raw = chat.read_completion(
+                await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+        except UpstreamError as exc:
+            raise tools.ToolError(f"the vision model ({model}) failed: {exc.message}") from None
+        if not text.strip():
+            raise tools.ToolError(f"the vision model ({model}) gave no answer (finish: {finish or 'none'})")
+        usage = context.normalize_usage(raw, sent_floor=context.count_tokens(question) + part["tokens"],
+                                        output_text=text)
+        return text, usage
 
     async def release(self, turn: Turn) -> None:
         """Give the conversation back; a turn whose stream never ran stores nothing."""
@@ -366,7 +475,9 @@ class Turns:
         the one being answered. The summarizer's call is charged to the conversation like a
         turn's, and counted apart as compression cost.
         """
-        result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending)
+        named = {aid: f"{m['name']} ({image_words(m)})" for aid, m in (await self.conversation_images(conv_id)).items()}
+        result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending,
+                                        images=named)
         if not result.history:
             return result.event(0)
         facts = list(result.facts)
@@ -446,7 +557,9 @@ class Turns:
             yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
-            if context.project(conv, memory, self.settings) > context.budget_of(conv, self.settings):
+            vision = await self.sees(turn.model)
+            seen = await self.image_tokens(conv, turn.model)
+            if context.project(conv, memory, self.settings, seen) > context.budget_of(conv, self.settings):
                 await self._opened(turn)  # compression folds the stored messages, the new one included
                 outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
                 if outcome["folded"] or outcome["dropped"]:
@@ -458,17 +571,23 @@ class Turns:
             while True:
                 conv = await turn.store.get(turn.conv_id)
                 files = await self._attachment_listing(turn, conv)
+                found = await self.conversation_images(turn.conv_id)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
-                                              attachments=files)
+                                              attachments=files,
+                                              extras=await self._image_extras(turn, conv, found, vision))
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
                     turn.requested = True
-                    async with contextlib.aclosing(self._transport(turn, conv, prompt, bool(files))) as events:
+                    # A model that cannot see is offered the vision tool, when there is an image to look at.
+                    looks = bool(found) and not vision
+                    async with contextlib.aclosing(self._transport(turn, conv, prompt, bool(files), looks)) as events:
                         async for event in events:
                             if turn.opening is not None:
                                 await self._opened(turn)
+                            if isinstance(event, ImageProduced):
+                                event = await self._keep_image(turn, event)
                             if (event := turn.redactor(event)) is not None:
                                 accumulate(reply, event)
                                 yield event
@@ -532,6 +651,30 @@ class Turns:
                     turn.model)
         return True
 
+    async def _keep_image(self, turn: Turn, produced: ImageProduced) -> ImageAttached | TurnWarning:
+        """An image the model returned, stored as an attachment of the conversation (cleaned and
+        checked like an upload, counted in the person's quota): the reply's own image."""
+        if self.attachments is None:
+            return TurnWarning("image_not_kept", "The model returned an image, but this server keeps no files.")
+        from chatserver.api.quota import check_files  # the quota's one rule, as uploads apply it
+
+        attachments = self.attachments
+        kept = len(turn.reply.attachment_ids) + 1
+        name = f"image-{kept}.{produced.media_type.removeprefix('image/').replace('jpeg', 'jpg')}"
+        fd, path = attachments.incoming_file()
+        await anyio.to_thread.run_sync(write_closing, fd, produced.data)
+
+        async def fits(size: int) -> None:
+            await check_files(attachments, turn.store, size)
+
+        try:
+            stored = await attachments.ingest(conversation_scope(turn.conv_id), name, path, turn.store.owner, fits)
+        except AttachmentError as exc:
+            return TurnWarning("image_not_kept", f"The model returned an image that could not be kept: {exc}")
+        except HTTPException as exc:
+            return TurnWarning("image_not_kept", f"The model returned an image that could not be kept: {exc.detail}")
+        return ImageAttached(stored)
+
     @staticmethod
     def _warn(reply: Reply, code: str, message: str) -> TurnWarning:
         """A warning of the pipeline's own, kept with the reply like the transports' warnings."""
@@ -550,7 +693,7 @@ class Turns:
         with self._attachment_scope(turn, conv) as scope:
             return await attachment_listing(scope)
 
-    async def _selection(self, turn: Turn, conv: dict, has_files: bool) -> tools.Selection:
+    async def _selection(self, turn: Turn, conv: dict, has_files: bool, looks: bool = False) -> tools.Selection:
         """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
         runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
         web = web_tools_enabled(conv["settings"], self.settings)
@@ -566,13 +709,16 @@ class Turns:
             # No files to search: the attachment tools would only be noise for the model to pick from.
             selection = tools.Selection(tuple(n for n in selection.local if n not in ATTACHMENT_TOOLS),
                                         selection.gateway)
+        if not looks:
+            # No image, or a model that sees them itself: analyze_image would only cost a second call.
+            selection = tools.Selection(tuple(n for n in selection.local if n != VISION_TOOL), selection.gateway)
         return selection
 
     async def _transport(self, turn: Turn, conv: dict, prompt: context.Prompt,
-                         has_files: bool) -> AsyncIterator[Event]:
+                         has_files: bool, looks: bool = False) -> AsyncIterator[Event]:
         """Every turn goes through the tool loop: with the gateway's web tools on /v1/messages, the
         only endpoint that shows the searches; otherwise on chat completions, with our tools if any."""
-        selection = await self._selection(turn, conv, has_files)
+        selection = await self._selection(turn, conv, has_files, looks)
         if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
             prompt = self._without_web_sentence(conv, prompt)
         loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
@@ -600,7 +746,8 @@ class Turns:
         approve = conv["settings"].get("approve_facts", self.settings.approve_facts)
         return tools.ToolContext(turn.conv_id, self.settings, turn.store.read_memory, write_memory,
                                  owner=turn.store.owner, propose_fact=propose if approve else None,
-                                 extractor=self.attachments.extractor if self.attachments else None)
+                                 extractor=self.attachments.extractor if self.attachments else None,
+                                 ask_vision=functools.partial(self.ask_vision, person=turn.store.owner))
 
     def _without_web_sentence(self, conv: dict, prompt: context.Prompt) -> context.Prompt:
         """Without web tools the budget sentence would promise searches the model cannot make."""

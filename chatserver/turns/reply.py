@@ -30,7 +30,10 @@ def reply_usage(turn: Turn, sent_floor: int, *, output_tokens: int | None = None
         if output_tokens is not None:
             report["output_tokens"] = output_tokens
         reports = [report]
-    usage = combined(reports)
+    # What the tools' own model calls cost (analyze_image's) is the turn's too.
+    asked = [step["usage"] for step in reply.activity if step.get("kind") == "tool" and isinstance(step.get("usage"), dict)]
+    usage = combined(reports + [{k: v for k, v in u.items() if k != "model"} for u in asked]) if asked \
+        else combined(reports)
     usage["searches"] = max(usage["searches"], reply.searches)
     usage["fetches"] = max(usage["fetches"], reply.fetches)
     return usage, reports
@@ -51,6 +54,8 @@ def reply_message(turn: Turn, status: str, usage: dict, *, error: str | None = N
         message["warnings"] = keep(reply.warnings)
     if reply.rounds and not snapshot:
         message["rounds"] = reply.rounds
+    if reply.attachment_ids:
+        message["attachment_ids"] = list(reply.attachment_ids)
     if error:
         message["error"] = error
     return message

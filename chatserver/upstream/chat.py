@@ -9,9 +9,20 @@ conversations.
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 
-from chatserver.turns.events import Call, Event, Finished, ReasoningDelta, TextDelta, ToolCallsRequested, UsageReport
+from chatserver.turns.events import (
+    Call,
+    Event,
+    Finished,
+    ImageProduced,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallsRequested,
+    UsageReport,
+)
 from chatserver.upstream.failures import UpstreamError, classify_finish, classify_stream_error
 from chatserver.upstream.sse import SSERecord
 
@@ -25,6 +36,15 @@ def plain(content: object) -> str | None:
     return "\n\n".join(p.get("text", "") for p in content)
 
 
+def shaped(content: object) -> object:
+    """A message's content in this format: a neutral image part (context.py) as an `image_url`
+    part holding a data URL; everything else as it is."""
+    if not isinstance(content, list) or not any(p.get("type") == "image" for p in content):
+        return content
+    return [{"type": "image_url", "image_url": {"url": f"data:{p['media_type']};base64,{p['data']}"}}
+            if p.get("type") == "image" else p for p in content]
+
+
 def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
                max_tokens: int, params: dict, stream: bool = True, plain_text: bool = False,
                tools: list[dict] | None = None, tool_choice: str | None = None) -> dict:
@@ -33,6 +53,9 @@ def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
     system = [{"role": "system", "content": plain(system_parts) if plain_text else system_parts}] if system_parts else []
     if plain_text:
         messages = [{**m, "content": plain(m["content"])} for m in messages]
+    else:
+        messages = [{**m, "content": shaped(m["content"])} if isinstance(m.get("content"), list) else m
+                    for m in messages]
     body: dict = {
         "model": model,
         "messages": system + messages,
@@ -74,6 +97,32 @@ def _optional_text(container: dict, key: str, where: str) -> str:
     if not isinstance(value, str):
         raise malformed(f"{where}.{key} is {type(value).__name__}, not a string")
     return value
+
+
+_DATA_URL = re.compile(r"data:(image/(?:png|jpeg|gif|webp));base64,([A-Za-z0-9+/=\s]*)")
+
+
+def _images(images: object) -> list[Event]:
+    """OpenRouter's output images (`delta.images` / `message.images`): `[{"type": "image_url",
+    "image_url": {"url": "data:image/png;base64,..."}}]`. Only inline data is kept: an address
+    would have to be fetched, and reply text already has a safe way to show one."""
+    if images is None:
+        return []
+    if not isinstance(images, list):
+        raise malformed(f"delta.images is {type(images).__name__}, not a list")
+    out: list[Event] = []
+    for image in images:
+        inner = image.get("image_url") if isinstance(image, dict) else None
+        url = inner.get("url") if isinstance(inner, dict) else None
+        match = _DATA_URL.fullmatch(url) if isinstance(url, str) else None
+        if match is None:
+            continue
+        try:
+            data = base64.b64decode(match.group(2), validate=False)
+        except ValueError:
+            raise malformed("an output image's data is not base64") from None
+        out.append(ImageProduced(match.group(1), data))
+    return out
 
 
 class ChatDecoder:
@@ -121,6 +170,7 @@ class ChatDecoder:
                 events.append(ReasoningDelta(reasoning))
             if content := _optional_text(delta, "content", "delta"):
                 events.append(TextDelta(content))
+            events += _images(delta.get("images"))
             self._refusal += _optional_text(delta, "refusal", "delta")
             calls = delta.get("tool_calls")
             if calls is not None:

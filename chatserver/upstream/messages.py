@@ -116,7 +116,7 @@ def _input_of(arguments: object) -> dict:
 def as_blocks(messages: list[dict]) -> list[dict]:
     """Chat-shaped tool rounds (an assistant message with `tool_calls`, then `role: tool` messages) as
     Messages blocks: the calls as `tool_use` in the assistant message, the results as one user
-    message of `tool_result` blocks. Other messages pass unchanged."""
+    message of `tool_result` blocks; neutral image parts as `image` blocks. Other messages pass unchanged."""
     out: list[dict] = []
     for m in messages:
         if m["role"] == "tool":
@@ -131,6 +131,11 @@ def as_blocks(messages: list[dict]) -> list[dict]:
             blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                         "input": _input_of(c["function"].get("arguments"))} for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": blocks})
+        elif isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"]):
+            # A neutral image part (context.py) as this format's image block with a base64 source.
+            out.append({**m, "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": p["media_type"], "data": p["data"]}}
+                if p.get("type") == "image" else p for p in m["content"]]})
         else:
             out.append(m)
     for m in out:
