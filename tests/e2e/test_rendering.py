@@ -199,3 +199,18 @@ def test_scrolling_up_during_a_long_reply_offers_a_jump_back_to_the_latest(page,
     assert transcript.evaluate(gap) < 80
     expect(reply).to_have_attribute("data-status", "complete", timeout=20_000)
     expect(jump).to_be_hidden()
+
+
+def test_a_reply_copies_as_markdown_and_as_plain_text(page, sim):
+    text = ("**Bold** words, `code` and $E = mc^2$.\n\n1. first\n2. second\n\n- [x] done\n\n"
+            "| a | b |\n|---|---|\n| 1 | 2 |\n\n```python\nprint('hi')\n```\n")
+    reply = finished_reply(page, sim, text)
+    page.evaluate("navigator.clipboard.writeText = async (text) => { window.__copied = text; }")
+    reply.get_by_test_id("copy-reply").click()
+    page.wait_for_function("window.__copied !== undefined")
+    assert page.evaluate("window.__copied") == text
+    page.evaluate("window.__copied = undefined")
+    reply.get_by_test_id("copy-text").click()
+    page.wait_for_function("window.__copied !== undefined")
+    assert page.evaluate("window.__copied") == (
+        "Bold words, code and E = mc^2.\n\n1. first\n2. second\n\n- [x] done\n\na\tb\n1\t2\n\nprint('hi')")
