@@ -53,7 +53,8 @@ async function importFile(file) {
     if (showingArchived()) await showArchived(false);
     else await loadList();
   } catch (err) {
-    status.textContent = `Not imported: ${err.message}`;
+    // "Not imported" already says what the server's detail starts with; its reason is the news.
+    status.textContent = `Not imported: ${err.message.replace(/^the file cannot be imported: /, "")}`;
     status.classList.add("error-text");
   } finally {
     box.hidden = true;

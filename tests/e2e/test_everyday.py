@@ -268,7 +268,7 @@ def test_import_a_chatgpt_export_shows_progress_and_the_result_then_lists_it(pag
 
     page.get_by_test_id("import-input").set_input_files(
         files=[{"name": "notes.json", "mimeType": "application/json", "buffer": b"not json at all"}])
-    expect(status).to_contain_text("Not imported: the file cannot be imported")
+    expect(status).to_have_text(re.compile("^Not imported: the file is not JSON; Import takes this server's JSON export"))
     expect(status).to_have_class(re.compile("error-text"))
     assert len(server.api("GET", "/api/conversations").json()) == len(after)
 
