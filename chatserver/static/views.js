@@ -334,8 +334,15 @@ export class AssistantView {
     return !this.text && !this.steps.length;
   }
 
+  /** More of the reply's words; shown by the next `drawText` (turn.js calls it once a frame). */
   addText(text) {
     this.text += text;
+    this.textDrawn = false;
+  }
+
+  drawText() {
+    if (this.textDrawn !== false) return;
+    this.textDrawn = true;
     this.markdown.update(this.text);
     if (this.reasoning && !this.steps.length) this.drawTrail();
   }
@@ -362,6 +369,7 @@ export class AssistantView {
   setFinal(status, usage, citations) {
     this.el.dataset.status = status;
     this.el.removeAttribute("aria-busy");
+    this.textDrawn = true;
     if (this.markdown) this.markdown.finish(this.text);
     this.trail.el.open = false;
     this.drawTrail();
