@@ -45,6 +45,16 @@ def chatgpt_export(conversations) -> bytes:
     return json.dumps(out).encode()
 
 
+def phone_with_sidebar(browser, server):
+    """The page on a phone in Seoul at NOW, its sidebar open."""
+    page = open_page(browser, server.base_url, **PHONE)
+    page.clock.set_fixed_time(NOW)
+    page.reload()
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    page.locator("#sidebar-toggle").click()
+    return page
+
+
 def heading_of(row) -> str:
     """The date heading a sidebar row is listed under."""
     return row.evaluate("""li => {
@@ -61,11 +71,7 @@ def test_the_phone_list_has_date_groups_full_titles_and_one_menu_per_row(browser
     pinned = ids[CONVERSATIONS[-1][0]]
     assert server.api("PATCH", f"/api/conversations/{pinned}", json={"pinned": True}).status_code == 200
 
-    page = open_page(browser, server.base_url, **PHONE)
-    page.clock.set_fixed_time(NOW)
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
-    page.locator("#sidebar-toggle").click()
+    page = phone_with_sidebar(browser, server)
     sidebar = page.get_by_test_id("conversation-list")
     expect(sidebar.get_by_test_id("conversation-group")).to_have_text(
         ["Pinned", "Today", "Yesterday", "Previous 7 days", "Previous 30 days", "March 2026"])
@@ -97,11 +103,7 @@ def test_each_row_action_works_from_the_menu_on_a_phone(browser, server):
               ("What to pack for a week of rain", datetime(2026, 6, 12, 9, 0, tzinfo=UTC), "Previous 7 days")]
     imported = server.api("POST", "/api/import", files={"file": ("conversations.json", chatgpt_export(titles))})
     newer, older = imported.json()["imported"]
-    page = open_page(browser, server.base_url, **PHONE)
-    page.clock.set_fixed_time(NOW)
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
-    page.locator("#sidebar-toggle").click()
+    page = phone_with_sidebar(browser, server)
     sidebar = page.get_by_test_id("conversation-list")
     row = sidebar.locator(f"li[data-id='{older}']")
     menu = page.get_by_test_id("conversation-actions-menu")
