@@ -32,6 +32,11 @@ Then one STORE=redis server with WORKERS=1 and then one with WORKERS=2 (`make ru
 turn): the turn starts per second each sustains with p99 added time to first token under 100 ms,
 and their ratio (`phase_workers`).
 
+`bench/render_bench.py` drives Debian's chromium over the page: a 200,000-character reply with 50
+code blocks and 100 formulas drawn (`render_200k_*`), and the long tasks while a reply streams at
+100 tokens/s (`stream_*`: `longtask` entries on the wall clock, and each task's CPU time from
+chromium's trace).
+
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
 Every load loop is bounded by a request count and a phase deadline, and targets only 127.0.0.1.
@@ -1369,6 +1374,23 @@ def run_images_bench(log) -> dict:
     return {k: v for k, v in json.loads(done.stdout).items() if not isinstance(v, (dict, list))}
 
 
+def run_render_bench(log) -> dict:
+    """The rendering benchmark in chromium (bench/render_bench.py): a 200,000-character reply with 50
+    code blocks and 100 formulas drawn, and the long tasks while a reply streams at 100 tokens/s."""
+    log("rendering benchmark (bench/render_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "render_bench.py")], cwd=ROOT, timeout=600,
+                              stdout=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        log("  render_bench.py ran over 600 s and was stopped")
+        return {"render_error": "render_bench.py ran over 600 s"}
+    if done.returncode != 0:
+        log(f"  render_bench.py exited with {done.returncode}")
+        return {"render_error": f"render_bench.py exited with {done.returncode}"}
+    data = json.loads((BENCH / "results_render.json").read_text())
+    return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+
+
 # --- Main --------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -1377,7 +1399,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3", "images", "vision"],
+                                 "tools", "attachments", "s3", "images", "vision", "render"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1529,6 +1551,8 @@ def main() -> None:
         results.update(run_images_bench(log))
     if "vision" not in args.skip:
         results.update(run_vision_bench(log))
+    if "render" not in args.skip:
+        results.update(run_render_bench(log))
     results["bench_seconds"] = round(time.monotonic() - began, 1)
     results["quiet_wait_seconds"] = round(Quiet.waited, 1)
     (BENCH / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -38,9 +38,9 @@ from chatserver.attachments.store import (
     AttachmentNotFound,
     Attachments,
     Scope,
-    TooLarge,
     content_disposition,
     conversation_scope,
+    file_too_large,
     library_scope,
     public,
 )
@@ -138,7 +138,7 @@ class _Upload:
             return
         self.size += end - start
         if self.size > self.limit:
-            raise TooLarge(f"the file is over {self.limit} bytes")
+            raise file_too_large(self.limit)
         view = memoryview(data)[start:end]
         while view:
             view = view[os.write(self.fd, view):]
@@ -166,7 +166,7 @@ async def receive_upload(request: Request, attachments: Attachments) -> _Upload:
     limit = attachments.limits.max_bytes + FRAMING_BYTES
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _fail(TooLarge(f"the file is over {attachments.limits.max_bytes} bytes"))
+        raise _fail(file_too_large(attachments.limits.max_bytes))
     upload = _Upload(attachments)
     parser = MultipartParser(boundary, upload.callbacks())
     received = 0
@@ -175,7 +175,7 @@ async def receive_upload(request: Request, attachments: Attachments) -> _Upload:
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit:
-                    raise TooLarge(f"the file is over {attachments.limits.max_bytes} bytes")
+                    raise file_too_large(attachments.limits.max_bytes)
                 parser.write(chunk)
             parser.finalize()
         except AttachmentError as exc:

@@ -32,6 +32,7 @@ from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches, pii
 from chatserver.conversations.document import new_id, now_iso
 from chatserver.conversations.presets import PresetNotFound, presets_for
+from chatserver.sizes import admin_setting
 from chatserver.store.files import OwnerStore, TurnBusy
 from chatserver.tools import registry as tools
 from chatserver.turns import context
@@ -220,9 +221,11 @@ async def delete_conversation(conv_id: str, state: StateDep, store: OwnerStoreDe
 @router.post("/{conv_id}/messages",
              responses={200: {"content": {"text/event-stream": {}}, "description": "the turn stream"}})
 async def send_message(conv_id: str, body: MessageCreate, state: StateDep, store: OwnerStoreDep) -> Response:
-    if len(body.content) > state.settings.max_message_chars:
+    if len(body.content) > (limit := state.settings.max_message_chars):
         return JSONResponse(
-            {"detail": f"the message is over {state.settings.max_message_chars} characters"}, status_code=422)
+            {"detail": f"the message is {len(body.content):,} characters, over the {limit:,} one message may "
+                       f"be ({admin_setting('MAX_MESSAGE_CHARS')}); shorten it, or attach the text as a file"},
+            status_code=422)
     ids = body.attachment_ids or []
     if ids:
         await store.get(conv_id)  # an unknown conversation is 404, not a complaint about its files

@@ -24,6 +24,7 @@ from fastapi import HTTPException
 from chatserver.accounts.auth import Throttled, accounts, unauthorised_detail
 from chatserver.config import Settings
 from chatserver.conversations import exchange
+from chatserver.sizes import admin_setting, size_words
 from chatserver.store.files import StoreUnavailable
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
@@ -110,9 +111,9 @@ class Guard:
             limit = None  # an attachment's route counts its own bytes, under MAX_ATTACHMENT_BYTES
         declared = headers.get("content-length", "")
         if limit is not None and declared.isdigit() and int(declared) > limit:
-            return await self._reply(send, 413, _too_big(limit), headers=_CLOSE)
+            return await self._reply(send, 413, _too_big(limit, scope["path"]), headers=_CLOSE)
         if declared not in ("", "0") or "transfer-encoding" in headers:  # there is a body to wait for
-            receive = _bounded(receive, limit, deadline, self.settings.body_timeout)
+            receive = _bounded(receive, limit, deadline, self.settings.body_timeout, scope["path"])
         if method in STATE_CHANGING and not _is_upload(scope["path"], headers):
             try:
                 body, problem = await self._read_body(receive)
@@ -177,13 +178,18 @@ class Guard:
             await send(message)
 
 
-def _too_big(limit: int) -> str:
-    return f"request body over {limit} bytes"
+def _too_big(limit: int, path: str) -> str:
+    if path == "/api/import":
+        return (f"the file is larger than {size_words(exchange.MAX_IMPORT_BYTES)}, the most one import may be; "
+                "import a ChatGPT export's conversations.json on its own rather than the whole zip")
+    return (f"the request is larger than {size_words(limit)}, the most this server takes in one request "
+            f"({admin_setting('MAX_REQUEST_BYTES')}); a long text goes in better as an attached file")
 
 
-def _bounded(receive: Callable, limit: int | None, deadline: float, timeout: float) -> Callable:
+def _bounded(receive: Callable, limit: int | None, deadline: float, timeout: float, path: str) -> Callable:
     """A receive() that answers 408 (HTTPException) once the body is not in by `deadline`, and 413
-    as soon as it passes `limit` bytes; once the body is complete it waits unbounded (for disconnect)."""
+    as soon as it passes `limit` bytes (`path` picks its words); once the body is complete it waits
+    unbounded (for disconnect)."""
     received, complete = 0, False
 
     async def bounded() -> dict:
@@ -200,7 +206,7 @@ def _bounded(receive: Callable, limit: int | None, deadline: float, timeout: flo
             complete = True
         received += len(message.get("body", b""))
         if limit is not None and received > limit:
-            raise HTTPException(413, _too_big(limit), headers=_CLOSE)
+            raise HTTPException(413, _too_big(limit, path), headers=_CLOSE)
         return message
 
     return bounded

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from chatserver.api.deps import OwnerStoreDep, StateDep
 from chatserver.attachments.store import Attachments, conversation_scope, library_scope
+from chatserver.sizes import size_words
 from chatserver.store.files import OwnerStore
 
 router = APIRouter(prefix="/api/quota", tags=["quota"])
@@ -22,13 +23,6 @@ class QuotaOut(BaseModel):
     file_quota: int
     conversations: int
     conversation_quota: int
-
-
-def size_words(n: int) -> str:
-    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} bytes"
 
 
 async def file_usage(attachments: Attachments, owner: str, conversations: list[dict]) -> int:

@@ -66,6 +66,7 @@ from chatserver.attachments.extraction import (  # noqa: F401  (the errors are t
 from chatserver.attachments.meta import AttachmentMeta, FileMeta
 from chatserver.conversations import pii
 from chatserver.conversations.document import new_id, now_iso, valid_id
+from chatserver.sizes import admin_setting, size_words
 
 log = logging.getLogger("chat.attachments")
 
@@ -365,6 +366,12 @@ def _masked_pages(pages: list[dict]) -> list[dict]:
     return [{**page, "text": pii.mask(page["text"])[0]} for page in pages]
 
 
+def file_too_large(limit: int) -> TooLarge:
+    """A file past MAX_ATTACHMENT_BYTES (`limit`), in the words the page shows."""
+    return TooLarge(f"the file is larger than {size_words(limit)}, the most one file may be here "
+                    f"({admin_setting('MAX_ATTACHMENT_BYTES')})")
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_bytes: int = 20 * 1024 * 1024
@@ -463,7 +470,7 @@ class Attachments:
         try:
             size = upload.stat().st_size
             if size > self.limits.max_bytes:
-                raise TooLarge(f"the file is over {self.limits.max_bytes} bytes")
+                raise file_too_large(self.limits.max_bytes)
             if size == 0:
                 raise Unreadable("the file is empty")
             async with self.extractor.turn(person):

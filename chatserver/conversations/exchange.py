@@ -37,6 +37,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, 
 
 from chatserver.conversations import branches
 from chatserver.conversations.document import new_id, now_iso
+from chatserver.sizes import size_words
 
 FORMAT = "chat-server-export"
 VERSION = 1
@@ -315,7 +316,34 @@ def load(raw: bytes) -> tuple[object, list[dict]]:
     try:
         return orjson.loads(without_bom(raw)), warnings
     except orjson.JSONDecodeError as exc:
-        raise Unreadable(f"the file is not JSON ({exc})") from None
+        raise Unreadable(not_json(raw, exc)) from None
+
+
+# What people give Import by mistake, by their first bytes, and the way on for each.
+WRONG_FILES = (
+    ((b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF"), "this is an image, not a conversation export; to ask about an "
+     "image, attach it to a message with 📎"),
+    ((b"%PDF-",), "this is a PDF, not a conversation export; to ask about it, attach it to a message with 📎"),
+)
+# Import takes these; said wherever a file is not one of them.
+ACCEPTED = ("Import takes this server's JSON export, ChatGPT's conversations.json (or its zip) "
+            "or an Open WebUI export")
+
+
+def not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why a file that is not JSON cannot be imported, in words that say what to give instead."""
+    head = raw[:4096]
+    for magics, why in WRONG_FILES:
+        if head.startswith(magics):
+            return why
+    text = head.decode("utf-8", "replace").lstrip("\ufeff \r\n\t")
+    # This server's Markdown export (export_markdown): a title heading, then its Created line.
+    if text.startswith("#") and ("\n- Created:" in text or "\n- Exported:" in text):
+        return "Markdown exports can't be imported; use the JSON export (⋯ → Export as JSON)"
+    if not text.startswith(("{", "[")):
+        return f"the file is not JSON; {ACCEPTED}"
+    # JSON that breaks off: where, without the parser's own jargon.
+    return f"the JSON breaks off or is damaged near line {exc.lineno}, column {exc.colno}; export it again"
 
 
 def without_bom(raw: bytes) -> bytes:
@@ -344,13 +372,13 @@ def read_zip(raw: bytes) -> tuple[bytes, list[dict]]:
             candidates = [i for i in infos if not i.is_dir()
                           and (i.filename == "conversations.json" or i.filename.endswith("/conversations.json"))]
             if not candidates:
-                raise Unreadable("the zip archive holds no conversations.json")
+                raise Unreadable(f"the zip archive holds no conversations.json; {ACCEPTED}")
             member = min(candidates, key=lambda i: i.filename.count("/"))  # the top-most one
             if member.flag_bits & 0x1:
                 raise Unreadable("conversations.json is encrypted in the zip archive")
             data = _read_member(archive, member, MAX_IMPORT_BYTES)
             if data is None:
-                declared = f" ({member.file_size} bytes declared)" if member.file_size > MAX_IMPORT_BYTES else ""
+                declared = f" ({size_words(member.file_size)} declared)" if member.file_size > MAX_IMPORT_BYTES else ""
                 raise Unreadable(f"conversations.json in the zip archive is over "
                                  f"{MAX_IMPORT_BYTES // (1024 * 1024)} MB unpacked{declared}")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError,
@@ -456,7 +484,7 @@ def detect(data: object) -> tuple[str, list]:
             return "chat-server", data["conversations"]
         data = [data]  # one conversation on its own, as some exporters write it
     if not isinstance(data, list):
-        raise Unreadable("the file is not a list of conversations or an export of this server")
+        raise Unreadable(f"the file is JSON but not a list of conversations; {ACCEPTED}")
     # The first conversation whose shape is known names the format; the others are read as that.
     for item in data:
         if not isinstance(item, dict):

@@ -1,9 +1,23 @@
 // The HTTP contract (docs/API.md) as functions. Errors become ApiError carrying the server's
 // `detail` as a readable message; turn streams are returned as Responses for sse.js to read.
 
+// What an answer without the server's own words means (a proxy's page, a network failure).
+const STATUS_WORDS = {
+  0: "the server could not be reached; check the connection and try again",
+  401: "you are signed out; sign in again",
+  404: "it is not there any more (deleted, or another account's)",
+  408: "the request took too long to arrive; try again",
+  413: "that is larger than the server accepts (a proxy in front of it may set its own limit)",
+  429: "too many requests just now; wait a moment and try again",
+  500: "the server failed; try again, and tell whoever runs it if it keeps happening",
+  502: "the server is not answering right now; try again in a moment",
+  503: "the server is not answering right now; try again in a moment",
+  504: "the server took too long to answer; try again in a moment",
+};
+
 export class ApiError extends Error {
   constructor(status, detail) {
-    super(describeDetail(detail) || `Request failed (${status})`);
+    super(describeDetail(detail) || STATUS_WORDS[status] || `the server answered ${status}`);
     this.status = status;
     this.detail = detail;
   }
@@ -40,7 +54,7 @@ async function readDetail(res) {
   try {
     return (await res.json()).detail;
   } catch {
-    return res.statusText;
+    return undefined; // not the server's JSON: the status says it (STATUS_WORDS)
   }
 }
 
@@ -106,7 +120,7 @@ export function upload(path, file, onProgress = () => {}) {
     });
     xhr.addEventListener("load", () => {
       if (xhr.status >= 200 && xhr.status < 300) resolve(xhr.response);
-      else reject(new ApiError(xhr.status, xhr.response?.detail ?? xhr.statusText));
+      else reject(new ApiError(xhr.status, xhr.response?.detail));
     });
     xhr.addEventListener("error", () => reject(new ApiError(0, "the upload did not reach the server")));
     xhr.addEventListener("abort", () => reject(new ApiError(0, "the upload was cancelled")));

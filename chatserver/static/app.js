@@ -11,8 +11,8 @@ import {
   followAddress, hashId, newConversation, onConversation, onDeleted, openAt, openConversation, openLatest,
   reconnected,
 } from "./conversation.js";
-import { loadModels, setServerInfo, wireHeader } from "./header.js";
-import { loadList, showArchived, showingArchived, wireList } from "./list.js";
+import { closeHeaderMenu, loadModels, setServerInfo, wireHeader } from "./header.js";
+import { closeRowMenu, loadList, showArchived, showingArchived, wireList } from "./list.js";
 import { listen } from "./live.js";
 import { $, closeSidebar, openSidebar, showError, sidebarOpen, toast } from "./page.js";
 import { SearchBox } from "./search.js";
@@ -53,7 +53,8 @@ async function importFile(file) {
     if (showingArchived()) await showArchived(false);
     else await loadList();
   } catch (err) {
-    status.textContent = `Not imported: ${err.message}`;
+    // "Not imported" already says what the server's detail starts with; its reason is the news.
+    status.textContent = `Not imported: ${err.message.replace(/^the file cannot be imported: /, "")}`;
     status.classList.add("error-text");
   } finally {
     box.hidden = true;
@@ -95,7 +96,7 @@ function onShortcut(e) {
     // An open dialog takes Esc for itself; otherwise it stops a reply, then closes the sidebar.
     if (document.querySelector("dialog[open]") || e.target.classList?.contains("conv-rename")) return;
     if (viewer.isOpen) viewer.close();
-    else if ($("conv-menu").open) $("conv-menu").open = false;
+    else if (closeRowMenu() || closeHeaderMenu()) e.preventDefault();
     else if (sidebarOpen()) closeSidebar();
     else if (store.turn || store.conv?.streaming) stop().catch(showError);
   } else if (e.key === "?" && !mod && !e.altKey && !typingInField(e.target) && !document.querySelector("dialog[open]")) {

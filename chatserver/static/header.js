@@ -168,6 +168,15 @@ export function chooseModel() {
   }
 }
 
+/** Escape: close the header's ⋯ menu, the focus back on its button; false when it was not open. */
+export function closeHeaderMenu() {
+  const menu = $("conv-menu");
+  if (!menu.open) return false;
+  menu.open = false;
+  menu.querySelector("summary").focus();
+  return true;
+}
+
 export function wireHeader() {
   el.picker.addEventListener("change", changeModel);
   el.compressNow.addEventListener("click", compressNow);

@@ -416,6 +416,8 @@ function parseMathBlock(lines, i, parent) {
 function mathNode(tex, display) {
   const node = el(display ? "div" : "span", display ? "math math-display" : "math math-inline", tex);
   node.dataset.test = "math";
+  // Kept for Copy as plain text, which gives a drawn formula back as its source.
+  node.dataset.tex = tex;
   if (hooks.math) hooks.math(node, tex, display);
   return node;
 }

@@ -203,6 +203,12 @@ export async function follow(conv) {
 async function readTurn(turn, res, lastId) {
   const reopen = (after) => attachTurn(turn.convId, after, turn.controller.signal);
   for await (const { event, data } of followTurn(res, reopen, { lastId })) {
+    if (event === "delta") {
+      turn.view.addText(data.text);
+      drawSoon(turn);
+      continue;
+    }
+    drawText(turn);
     if (event === "done" || event === "error") return { type: event, data };
     // Follow the reply only if the person has not scrolled up to read.
     const stick = nearBottom();
@@ -210,8 +216,29 @@ async function readTurn(turn, res, lastId) {
     if (stick) scrollToBottom(true);
     else updateJump();
   }
+  drawText(turn);
   // Nothing runs any more (the turn ended while the page was not reading): the store knows how.
   return { type: "ended" };
+}
+
+// Words are drawn once an animation frame, not once a delta: each draw lays the transcript out
+// (following the reply reads its height), which for a long reply took longer than a frame when
+// done a hundred times a second.
+function drawSoon(turn) {
+  if (turn.drawPending) return;
+  turn.drawPending = true;
+  requestAnimationFrame(() => drawText(turn));
+  // A hidden tab gets no animation frames; its reply is still drawn.
+  setTimeout(() => drawText(turn), 250);
+}
+
+function drawText(turn) {
+  if (!turn.drawPending) return;
+  turn.drawPending = false;
+  const stick = nearBottom();
+  turn.view.drawText();
+  if (stick) scrollToBottom(true);
+  else updateJump();
 }
 
 async function endTurn(turn, outcome, text) {
@@ -244,9 +271,6 @@ function handleEvent(turn, event, data) {
     case "fetch":
     case "tool":
       view.addActivity(event, data);
-      break;
-    case "delta":
-      view.addText(data.text);
       break;
     case "warning":
       view.addWarning(data.message, data.code);

@@ -141,6 +141,59 @@ export function copyButton(label, text, className = "small") {
   return b;
 }
 
+// Elements that start on a line of their own, and those of them followed by a blank line.
+const LINES = new Set(["DIV", "LI", "TR", "DETAILS", "SECTION"]);
+const PARAGRAPHS = new Set(["P", "PRE", "UL", "OL", "BLOCKQUOTE", "TABLE", "H1", "H2", "H3", "H4", "H5", "H6", "HR"]);
+
+/**
+ * What a drawn reply says, as plain text: paragraphs and list items on lines of their own, table
+ * cells split by tabs, formulas as their TeX source, code as typed, and no button labels.
+ */
+export function plainTextOf(root) {
+  let text = "";
+  // A block opening right after a list item's marker stays on the marker's line.
+  let afterMarker = false;
+  const push = (more) => {
+    text += more;
+    afterMarker = false;
+  };
+  const newLine = () => {
+    if (text && !text.endsWith("\n") && !afterMarker) push("\n");
+  };
+  const walk = (el) => {
+    for (const child of el.childNodes) {
+      if (child.nodeType === Node.TEXT_NODE) {
+        if (child.textContent) push(child.textContent);
+        continue;
+      }
+      if (child.nodeType !== Node.ELEMENT_NODE || child.matches("button, .code-head")) continue;
+      if (child.dataset.tex !== undefined) {
+        push(child.dataset.tex);
+        continue;
+      }
+      if (child.tagName === "BR") push("\n");
+      else if (child.tagName === "INPUT" && child.type === "checkbox") {
+        push(child.checked ? "[x] " : "[ ] ");
+        afterMarker = true;
+      }
+      const block = LINES.has(child.tagName) || PARAGRAPHS.has(child.tagName);
+      if (block) newLine();
+      if (child.tagName === "LI") {
+        const list = child.parentElement;
+        push(list?.tagName === "OL" ? `${[...list.children].indexOf(child) + (list.start || 1)}. ` : "- ");
+        afterMarker = true;
+      }
+      walk(child);
+      if (child.tagName === "TD" || child.tagName === "TH") push("\t");
+      if (block) newLine();
+      // A paragraph ends with a blank line, except the last thing in a list item.
+      if (PARAGRAPHS.has(child.tagName) && !(child.parentElement?.tagName === "LI" && !child.nextSibling)) push("\n");
+    }
+  };
+  walk(root);
+  return text.replace(/[ \t]+\n/g, "\n").replace(/\n{3,}/g, "\n\n").trim();
+}
+
 function shell(role, id, test = "message") {
   const el = node("article", `message message-${role}`);
   el.dataset.test = test;
@@ -306,8 +359,15 @@ export class AssistantView {
     this.images.append(link);
   }
 
+  /** More of the reply's words; shown by the next `drawText` (turn.js calls it once a frame). */
   addText(text) {
     this.text += text;
+    this.textDrawn = false;
+  }
+
+  drawText() {
+    if (this.textDrawn !== false) return;
+    this.textDrawn = true;
     this.markdown.update(this.text);
     if (this.reasoning && !this.steps.length) this.drawTrail();
   }
@@ -334,6 +394,7 @@ export class AssistantView {
   setFinal(status, usage, citations) {
     this.el.dataset.status = status;
     this.el.removeAttribute("aria-busy");
+    this.textDrawn = true;
     if (this.markdown) this.markdown.finish(this.text);
     this.trail.el.open = false;
     this.drawTrail();
@@ -353,7 +414,10 @@ export class AssistantView {
       const copy = copyButton("Copy reply", () => this.text);
       copy.dataset.test = "copy-reply";
       copy.title = "Copy the whole reply as Markdown";
-      actions.push(copy);
+      const plain = copyButton("Copy text", () => plainTextOf(this.body));
+      plain.dataset.test = "copy-text";
+      plain.title = "Copy the reply as plain text, without Markdown";
+      actions.push(copy, plain);
     }
     this.actions.replaceChildren(...actions);
   }

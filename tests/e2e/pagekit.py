@@ -3,6 +3,7 @@ verbs over the page's data-test hooks so tests read as what a person does."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -82,6 +83,15 @@ def assistant_messages(page: Page):
 
 def user_messages(page: Page):
     return page.locator("[data-test=message][data-role=user]")
+
+
+def row_action(row, name: str):
+    """Open a sidebar row's ⋯ menu and return its item whose name starts with `name` (Rename, Pin,
+    Unpin, Archive, Unarchive, Export as …, Delete)."""
+    row.get_by_test_id("conversation-actions").click()
+    item = row.get_by_role("menuitem", name=re.compile(f"^{re.escape(name)}"))
+    expect(item).to_be_visible()
+    return item
 
 
 def screenshot(page: Page, name: str) -> None:

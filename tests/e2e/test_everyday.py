@@ -19,6 +19,7 @@ from pagekit import (
     eventually,
     exchange,
     new_conversation,
+    row_action,
     screenshot,
     send,
     user_messages,
@@ -268,7 +269,7 @@ def test_import_a_chatgpt_export_shows_progress_and_the_result_then_lists_it(pag
 
     page.get_by_test_id("import-input").set_input_files(
         files=[{"name": "notes.json", "mimeType": "application/json", "buffer": b"not json at all"}])
-    expect(status).to_contain_text("Not imported: the file cannot be imported")
+    expect(status).to_have_text(re.compile("^Not imported: the file is not JSON; Import takes this server's JSON export"))
     expect(status).to_have_class(re.compile("error-text"))
     assert len(server.api("GET", "/api/conversations").json()) == len(after)
 
@@ -387,16 +388,16 @@ def test_pin_and_archive_follow_the_server(page, server, sim):
     exchange(page, "Pin me")
     conv_id = conversation_id(page)
     entry = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
-    entry.get_by_test_id("pin-toggle").click()
+    row_action(entry, "Pin").click()
     eventually(lambda: server.conversation(conv_id)["pinned"] is True)
-    expect(page.get_by_test_id("conversation-list").locator("li").first).to_have_attribute("data-id", conv_id)
-    entry.get_by_test_id("archive-toggle").click()
+    expect(page.get_by_test_id("conversation-list").locator("li.conv-item").first).to_have_attribute("data-id", conv_id)
+    row_action(entry, "Archive").click()
     eventually(lambda: server.conversation(conv_id)["archived"] is True)
     expect(entry).to_have_count(0)
     page.get_by_test_id("show-archived").click()
     archived = page.get_by_test_id("conversation-list").locator(f"li[data-id='{conv_id}']")
     expect(archived).to_have_count(1)
-    archived.get_by_test_id("archive-toggle").click()
+    row_action(archived, "Unarchive").click()
     eventually(lambda: server.conversation(conv_id)["archived"] is False)
     expect(archived).to_have_count(0)
     page.get_by_test_id("show-archived").click()

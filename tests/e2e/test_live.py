@@ -9,7 +9,7 @@ import httpx
 from playwright.sync_api import expect
 
 from gateway_sim.simulator import Script, steps
-from pagekit import assistant_messages, conversation_id, exchange, new_conversation, open_page
+from pagekit import assistant_messages, conversation_id, exchange, new_conversation, open_page, row_action
 
 QUIET_WINDOW_MS = 10_000
 
@@ -30,7 +30,7 @@ def test_a_rename_a_new_conversation_and_a_turn_in_one_tab_show_in_another(page,
     live(other_tab)
 
     # A rename in the first tab: the second tab's row and header follow.
-    listed(page, first).get_by_label("Rename", exact=False).click()
+    row_action(listed(page, first), "Rename").click()
     field = page.get_by_label("Conversation title")
     field.fill("Renamed in tab one")
     field.press("Enter")

@@ -15,6 +15,7 @@ from pagekit import (
     exchange,
     new_conversation,
     open_page,
+    row_action,
     screenshot,
     send,
     user_messages,
@@ -341,7 +342,7 @@ def test_sidebar_lists_newest_first_and_opens_renames_and_deletes(page, server, 
     send(page, "Beta question")
     expect(assistant_messages(page).last).to_have_attribute("data-status", "complete")
 
-    entries = page.get_by_test_id("conversation-list").locator("li")
+    entries = page.get_by_test_id("conversation-list").locator("li.conv-item")
     expect(entries.nth(0).locator(".conv-name")).to_have_text("Beta question")
     expect(entries.nth(1).locator(".conv-name")).to_have_text("Alpha question")
 
@@ -350,7 +351,7 @@ def test_sidebar_lists_newest_first_and_opens_renames_and_deletes(page, server, 
     assert conversation_id(page) == first
 
     alpha = page.get_by_test_id("conversation-list").locator(f"li[data-id='{first}']")
-    alpha.get_by_role("button", name=re.compile("^Rename")).click()
+    row_action(alpha, "Rename").click()
     title = alpha.get_by_role("textbox", name="Conversation title")
     title.fill("Renamed 대화")
     title.press("Enter")
@@ -358,7 +359,7 @@ def test_sidebar_lists_newest_first_and_opens_renames_and_deletes(page, server, 
     expect(page.locator("#conv-title")).to_have_text("Renamed 대화")
     assert server.conversation(first)["title"] == "Renamed 대화"
 
-    delete = alpha.get_by_role("button", name=re.compile("^Delete"))
+    delete = row_action(alpha, "Delete")
     delete.click()
     expect(delete).to_have_text("Delete?")
     delete.click()
@@ -388,7 +389,7 @@ def change_model_without_moving_focus(page) -> str:
 
 def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, sim):
     conv_id, item = answered_conversation(page, sim, "Keep me for a moment")
-    delete = item.get_by_role("button", name=re.compile("^Delete"))
+    delete = row_action(item, "Delete")
     delete.click()
     expect(delete).to_have_text("Delete?")
 
@@ -403,7 +404,7 @@ def test_an_armed_delete_stays_armed_when_the_list_is_read_again(page, server, s
 
 def test_a_title_being_typed_in_the_list_stays_when_the_list_is_read_again(page, server, sim):
     conv_id, item = answered_conversation(page, sim, "Name me later")
-    item.get_by_role("button", name=re.compile("^Rename")).click()
+    row_action(item, "Rename").click()
     title = item.get_by_role("textbox", name="Conversation title")
     title.fill("Half typ")
 

@@ -199,3 +199,38 @@ def test_scrolling_up_during_a_long_reply_offers_a_jump_back_to_the_latest(page,
     assert transcript.evaluate(gap) < 80
     expect(reply).to_have_attribute("data-status", "complete", timeout=20_000)
     expect(jump).to_be_hidden()
+
+
+def test_a_reply_copies_as_markdown_and_as_plain_text(page, sim):
+    text = ("**Bold** words, `code` and $E = mc^2$.\n\n1. first\n2. second\n\n- [x] done\n\n"
+            "| a | b |\n|---|---|\n| 1 | 2 |\n\n```python\nprint('hi')\n```\n")
+    reply = finished_reply(page, sim, text)
+    page.evaluate("navigator.clipboard.writeText = async (text) => { window.__copied = text; }")
+    reply.get_by_test_id("copy-reply").click()
+    page.wait_for_function("window.__copied !== undefined")
+    assert page.evaluate("window.__copied") == text
+    page.evaluate("window.__copied = undefined")
+    reply.get_by_test_id("copy-text").click()
+    page.wait_for_function("window.__copied !== undefined")
+    assert page.evaluate("window.__copied") == (
+        "Bold words, code and E = mc^2.\n\n1. first\n2. second\n\n- [x] done\n\na\tb\n1\t2\n\nprint('hi')")
+
+
+def test_a_burst_of_words_is_drawn_once_a_frame_not_once_a_word(page, sim):
+    # Each draw lays the transcript out (following the reply reads its height); once a word, a long
+    # reply's stream took longer than a frame. 600 one-word deltas arrive in a burst.
+    words = [f"w{n}" for n in range(600)]
+    sim.enqueue(Script([steps.Text("Counting: "), steps.Sleep(0.3), steps.Text(" ".join(words), chunk_size=1),
+                        steps.Sleep(0.3), steps.Text(" done.")]))
+    page.evaluate("""() => {
+      const transcript = document.getElementById('transcript');
+      const height = Object.getOwnPropertyDescriptor(Element.prototype, 'scrollHeight').get;
+      window.__layoutReads = 0;
+      Object.defineProperty(transcript, 'scrollHeight', { get() { window.__layoutReads++; return height.call(this); } });
+    }""")
+    send(page, "Count for me")
+    reply = assistant_messages(page).last
+    expect(reply).to_have_attribute("data-status", "complete")
+    expect(reply).to_contain_text("w599 done.")
+    reads = page.evaluate("window.__layoutReads")
+    assert reads < len(words) / 4, f"{reads} layout reads for {len(words)} words"

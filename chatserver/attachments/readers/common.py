@@ -119,7 +119,7 @@ def open_zip(path: Path, what: str) -> zipfile.ZipFile:
         raise Unreadable(f"the {what} is damaged or truncated ({exc})") from None
     if sum(i.file_size for i in package.infolist()) > ZIP_MAX_INFLATED:
         package.close()
-        raise Unreadable(f"the {what} inflates to more than {ZIP_MAX_INFLATED // 2**20} MiB; it was not read")
+        raise Unreadable(f"the {what} inflates to more than {ZIP_MAX_INFLATED // 2**20} MB; it was not read")
     return package
 
 
@@ -130,7 +130,7 @@ def read_part(package: zipfile.ZipFile, name: str, what: str) -> bytes | None:
     except KeyError:
         return None
     if info.file_size > PART_MAX_INFLATED:
-        raise Unreadable(f"the {what}'s part {name} inflates to more than {PART_MAX_INFLATED // 2**20} MiB; "
+        raise Unreadable(f"the {what}'s part {name} inflates to more than {PART_MAX_INFLATED // 2**20} MB; "
                          "it was not read")
     try:
         with package.open(info) as member:  # zipfile stops at the declared size, whatever the stream holds
