@@ -163,7 +163,7 @@ def mapping_not_object(data):
 UNREADABLE = [
     (b"not json at all", "not JSON; Import takes this server's JSON export"),
     # What people give Import by mistake: each gets the way on, not a parser's message.
-    (exchange.export_markdown({"title": "Trip", "created_at": "2026-01-01T00:00:00Z", "messages": [
+    (exchange.export_markdown({"id": "c-trip", "title": "Trip", "created_at": "2026-01-01T00:00:00Z", "messages": [
         {"role": "user", "content": "hi", "created_at": "2026-01-01T00:00:00Z"}]}).encode(),
      "^Markdown exports can't be imported; use the JSON export"),
     (b"\x89PNG\r\n\x1a\n" + bytes(64), "^this is an image, not a conversation export; to ask about an image, attach it"),
