@@ -209,7 +209,8 @@ def _bounded(receive: Callable, limit: int | None, deadline: float, timeout: flo
 def _is_upload(path: str, headers: dict) -> bool:
     """A multipart file upload: its route streams the body itself under MAX_ATTACHMENT_BYTES."""
     return headers.get("content-type", "").lower().startswith("multipart/form-data") and (
-        path.endswith("/attachments") or path in ("/api/library", "/api/import"))
+        path.endswith("/attachments") or path in ("/api/library", "/api/import")
+        or (path.startswith("/api/projects/") and path.endswith("/files")))
 
 
 def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:

@@ -89,11 +89,11 @@ class Scope:
     """One owner of attachments: a directory under DATA_DIR/attachments and where hits come from."""
 
     key: str
-    source: str  # "conversation" | "library"
+    source: str  # "conversation" | "library" | "project"
 
 
 def conversation_scope(conversation_id: str) -> Scope:
-    # "library" (7 characters) can never be a conversation id (8-64), so the two never collide.
+    # "library" and "project" (7 characters) can never be a conversation id (8-64), so they never collide.
     if not valid_id(conversation_id):
         raise AttachmentNotFound("conversation not found")
     return Scope(conversation_id, "conversation")
@@ -105,8 +105,17 @@ def library_scope(owner: str) -> Scope:
     return Scope(f"library/{owner}", "library")
 
 
+def project_scope(project_id: str) -> Scope:
+    """A project's files: whoever reaches them has passed the project's owner check (`conversations/projects.py`)."""
+    if not valid_id(project_id):
+        raise AttachmentNotFound("project not found")
+    return Scope(f"project/{project_id}", "project")
+
+
 def scope_of_key(key: str) -> Scope:
-    """The scope a stored key names (`<conversation id>` or `library/<owner>`), checked as when made."""
+    """The scope a stored key names (`<conversation id>`, `library/<owner>` or `project/<id>`), checked as when made."""
+    if key.startswith("project/"):
+        return project_scope(key.removeprefix("project/"))
     owner = key.removeprefix("library/")
     return library_scope(owner) if owner != key else conversation_scope(key)
 
@@ -583,9 +592,12 @@ attachment_scope: ContextVar[AttachmentScope | None] = ContextVar("attachment_sc
 
 @contextlib.contextmanager
 def attachment_context(attachments: Attachments, conversation_id: str, owner: str,
-                       library: bool = False) -> Iterator[AttachmentScope]:
-    """Let the attachment tools see this conversation's files (and the owner's library) inside the block."""
+                       library: bool = False, project_id: str | None = None) -> Iterator[AttachmentScope]:
+    """Let the attachment tools see this conversation's files (its project's, and the owner's library
+    when asked) inside the block. `project_id` must be one the owner's store answered for this conversation."""
     scopes = [conversation_scope(conversation_id)]
+    if project_id:
+        scopes.append(project_scope(project_id))
     if library:
         scopes.append(library_scope(owner))
     scope = AttachmentScope(attachments, tuple(scopes))
@@ -615,8 +627,9 @@ async def attachment_listing(scope: AttachmentScope | None) -> str:
         metas = listed[s.key]
         if not metas:
             continue
-        title = ("Files attached to this conversation:" if s.source == "conversation"
-                 else "Files in the person's library:")
+        title = {"conversation": "Files attached to this conversation:",
+                 "project": "Files of the project this conversation belongs to:"}.get(
+                     s.source, "Files in the person's library:")
         blocks.append("\n".join([title, *(f"- {m['name']} ({_pages_word(m)})" for m in metas)]))
     if not blocks:
         return ""
@@ -632,7 +645,8 @@ def _where(passage: Passage) -> str:
 async def search_attachments(query: str) -> AttachmentToolResult:
     """Search the attached files for passages about `query`: the best ones, with file name and page.
 
-    Sees the files of this conversation, and the person's library when the conversation enables it.
+    Sees the files of this conversation and of its project, and the person's library when the
+    conversation enables it.
 
     Args:
         query: what to look for, in words likely to appear in the file (any language).

@@ -15,7 +15,7 @@ Promises:
 - Folded (or, when the summarizer fails, dropped) messages leave `messages` for the
   conversation's `archive` list: the file keeps them for the person, the prompt never carries
   them. A `notice` message says what happened; it is shown, never sent upstream.
-- `build_prompt` lays out [persona][memory][summary] (cache marker on the last) [date]
+- `build_prompt` lays out [persona][project][memory][summary] (cache marker on the last) [date]
   [tool sentence] + history, most stable first, so a provider's prefix cache keeps hitting.
 
 It knows no wire format and no HTTP: the summarizer is a callable it is given, and the turn
@@ -255,9 +255,17 @@ def wire_history(messages: list[dict], *, rounds: bool = True) -> list[dict]:
     return out
 
 
+def project_block(instructions: str) -> str:
+    return f"Instructions of the project this conversation belongs to:\n{instructions.strip()}" \
+        if instructions.strip() else ""
+
+
 def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
-                 tool_instructions: str | None = None, attachments: str = "") -> Prompt:
-    """[persona][memory][summary] (marker on the last) [date][tool instructions] + history.
+                 tool_instructions: str | None = None, attachments: str = "", project: str = "") -> Prompt:
+    """[persona][project][memory][summary] (marker on the last) [date][tool instructions] + history.
+
+    `project`: the instructions of the conversation's project; they change as rarely as the
+    persona, so they sit beside it, inside the cached prefix.
 
     Most stable first, so a provider's prefix cache keeps hitting: the date (a date, never a
     time) and the per-turn tool sentence come after the marker. With the rolling history
@@ -266,6 +274,7 @@ def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
     """
     layers = [
         conv["settings"].get("system_prompt", "").strip(),
+        project_block(project),
         memory_block(memory),
         summary_block(conv.get("summary", "")),
     ]
