@@ -26,7 +26,7 @@ from chatserver.accounts.files import FileAccountStore
 from chatserver.accounts.store import AccountStore
 from chatserver.api import attachments as attachment_routes
 from chatserver.api import auth as auth_routes
-from chatserver.api import conversations, memory, models, projects, quota, sharing, site
+from chatserver.api import conversations, memory, models, people, projects, quota, sharing, site
 from chatserver.api import events as live
 from chatserver.api import exchange as exchange_routes
 from chatserver.api import presets as preset_routes
@@ -235,7 +235,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes, live, quota, projects, sharing):
+                   exchange_routes, live, quota, projects, sharing, people):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app
