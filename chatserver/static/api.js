@@ -45,6 +45,8 @@ async function readDetail(res) {
 }
 
 const conv = (id) => `/api/conversations/${encodeURIComponent(id)}`;
+const project = (id) => `/api/projects/${encodeURIComponent(id)}`;
+const person = (name) => `/api/people/${encodeURIComponent(name)}`;
 
 export const api = {
   health: () => request("GET", "/healthz"),
@@ -80,6 +82,20 @@ export const api = {
   // The passages behind a citation chip: `url` is a file's route + /passages?label=…&q=… (viewer.js).
   passages: (url) => request("GET", url),
   search: (q, signal) => request("GET", `/api/search?q=${encodeURIComponent(q)}`, undefined, { signal }),
+  projects: () => request("GET", "/api/projects"),
+  createProject: (body) => request("POST", "/api/projects", body),
+  updateProject: (id, body) => request("PATCH", project(id), body),
+  deleteProject: (id) => request("DELETE", project(id)),
+  projectFiles: (id) => request("GET", `${project(id)}/files`),
+  deleteProjectFile: (id, aid) => request("DELETE", `${project(id)}/files/${encodeURIComponent(aid)}`),
+  share: (id, body) => request("POST", `${conv(id)}/share`, body),
+  shares: () => request("GET", "/api/shares"),
+  revokeShare: (shareId) => request("DELETE", `/api/shares/${encodeURIComponent(shareId)}`),
+  people: () => request("GET", "/api/people"),
+  addPerson: (body) => request("POST", "/api/people", body),
+  resetPassword: (name, password) => request("PUT", `${person(name)}/password`, { password }),
+  setAdmin: (name, admin) => request("PATCH", person(name), { admin }),
+  removePerson: (name) => request("DELETE", person(name)),
 };
 
 /** Where a conversation's file downloads from (a no-id library file: `libraryUrl`). */

@@ -15,7 +15,10 @@ import { loadModels, setServerInfo, wireHeader } from "./header.js";
 import { loadList, showArchived, showingArchived, wireList } from "./list.js";
 import { listen } from "./live.js";
 import { $, closeSidebar, openSidebar, showError, sidebarOpen, toast } from "./page.js";
+import { wirePeople } from "./people.js";
+import { loadProjects, wireProjects } from "./projects.js";
 import { SearchBox } from "./search.js";
+import { loadSharing, wireSharing } from "./sharing.js";
 import { store, subscribe } from "./store.js";
 import { wireTranscript } from "./transcript.js";
 import { onTurn, stop } from "./turn.js";
@@ -125,6 +128,9 @@ function wire() {
   wireComposer();
   wireHeader();
   wireList();
+  wireProjects();
+  wireSharing();
+  wirePeople();
   wireTranscript();
   viewer = new Viewer();
   // A file citation chip opens its passage; the chips are redrawn often, so one listener serves them all.
@@ -171,6 +177,8 @@ async function boot() {
     api.tools().catch(() => []),
     loadModels(),
     loadList(),
+    loadProjects(),
+    loadSharing(),
   ]);
   setServerInfo({ health, presets, tools });
   $("demo-banner").hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);

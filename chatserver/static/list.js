@@ -46,7 +46,8 @@ export function listed(c) {
 }
 
 function render() {
-  const shown = listOrder().filter(listed);
+  // A project's conversations are in its folder (projects.js), except in the archived view.
+  const shown = listOrder().filter((c) => listed(c) && (archivedView || !c.project_id));
   const focused = list.contains(document.activeElement) ? document.activeElement : null;
   const selection = focused instanceof HTMLInputElement &&
     [focused.selectionStart, focused.selectionEnd, focused.selectionDirection];
@@ -85,6 +86,7 @@ function makeRow(id) {
   const entry = () => store.conversations.get(id) ?? {};
   const li = node("li", "conv-item");
   li.dataset.id = id;
+  li.draggable = true; // onto a project's folder (projects.js)
   const open = button("", { className: "conv-open", onClick: () => openConversation(id).catch(showError) });
   const name = node("span", "conv-name");
   const meta = node("span", "conv-meta");
