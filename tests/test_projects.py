@@ -94,6 +94,8 @@ async def test_instructions_sit_in_the_cached_prefix_and_the_file_is_found_from_
     seen = (await alice.get(f"/api/conversations/{second['id']}")).json()["messages"][-1]
     assert "north pier" in seen["rounds"][0]["results"][0]["content"]
     assert seen["citations"][0]["source"] == "project" and seen["citations"][0]["name"] == "survey.txt"
+    behind_chip = await alice.get(f"/api/projects/{project['id']}/files/{stored.json()['id']}/passages")
+    assert behind_chip.status_code == 200 and "north pier" in behind_chip.json()["passages"][0]["text"]
     # A conversation outside the project neither sees its file nor carries its instructions.
     elsewhere = (await alice.get(f"/api/conversations/{outside['id']}")).json()["messages"][-1]
     assert "Survey notes" not in str(elsewhere)

@@ -16,15 +16,25 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import FileResponse, Response
 
-from chatserver.api.attachments import ERRORS, UPLOAD_BODY, AttachmentsDep, Label, PageNumber, PassagesOut, Words
+from chatserver.api.attachments import (
+    ERRORS,
+    PAGE_ERRORS,
+    UPLOAD_BODY,
+    AttachmentsDep,
+    Label,
+    PageNumber,
+    PassagesOut,
+    Words,
+)
 from chatserver.api.attachments import _delete as delete_file
 from chatserver.api.attachments import _download as download_file
+from chatserver.api.attachments import _page_image as page_image
 from chatserver.api.attachments import _passages as file_passages
 from chatserver.api.attachments import _upload as upload_file
-from chatserver.api.deps import OwnerStoreDep, StateDep
+from chatserver.api.deps import OwnerDep, OwnerStoreDep, StateDep
 from chatserver.api.schemas import Project, ProjectCreate, ProjectPatch
 from chatserver.attachments.store import Scope, project_scope, public
-from chatserver.conversations.projects import Projects, TooManyProjects
+from chatserver.conversations.projects import ProjectNotFound, Projects, TooManyProjects
 from chatserver.store.files import NotFound
 
 router = APIRouter(prefix="/api/projects", tags=["projects"])
@@ -94,7 +104,13 @@ def _move_out(project_id: str):
 async def upload_project_file(scope: FilesDep, request: Request, attachments: AttachmentsDep,
                               store: OwnerStoreDep) -> dict:
     """Add a file to the project (multipart field `file`): 201 with the Attachment."""
-    return await upload_file(request, attachments, scope, store)
+    stored = await upload_file(request, attachments, scope, store)
+    try:
+        await Projects(store).get(scope.key.removeprefix("project/"))
+    except ProjectNotFound:
+        await attachments.delete_scope(scope)  # the project was deleted during the upload
+        raise
+    return stored
 
 
 @router.get("/{project_id}/files", responses=NOT_FOUND)
@@ -111,6 +127,12 @@ async def download_project_file(scope: FilesDep, attachment_id: str, attachments
 async def project_file_passages(scope: FilesDep, attachment_id: str, attachments: AttachmentsDep,
                                 label: Label = None, page: PageNumber = None, q: Words = None) -> PassagesOut:
     return await file_passages(attachments, scope, attachment_id, label, page, q)
+
+
+@router.get("/{project_id}/files/{attachment_id}/pages/{page}.png", responses=PAGE_ERRORS, response_class=FileResponse)
+async def project_file_page(scope: FilesDep, attachment_id: str, page: str, request: Request,
+                            attachments: AttachmentsDep, owner: OwnerDep) -> Response:
+    return await page_image(request, attachments, scope, attachment_id, page, owner)
 
 
 @router.delete("/{project_id}/files/{attachment_id}", status_code=204, responses=ERRORS)

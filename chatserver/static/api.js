@@ -87,7 +87,7 @@ export const api = {
   updateProject: (id, body) => request("PATCH", project(id), body),
   deleteProject: (id) => request("DELETE", project(id)),
   projectFiles: (id) => request("GET", `${project(id)}/files`),
-  deleteProjectFile: (id, aid) => request("DELETE", `${project(id)}/files/${encodeURIComponent(aid)}`),
+  deleteProjectFile: (id, aid) => request("DELETE", projectFileUrl(id, aid)),
   share: (id, body) => request("POST", `${conv(id)}/share`, body),
   shares: () => request("GET", "/api/shares"),
   revokeShare: (shareId) => request("DELETE", `/api/shares/${encodeURIComponent(shareId)}`),
@@ -101,6 +101,7 @@ export const api = {
 /** Where a conversation's file downloads from (a no-id library file: `libraryUrl`). */
 export const attachmentUrl = (id, aid) => `${conv(id)}/attachments/${encodeURIComponent(aid)}`;
 export const libraryUrl = (aid) => `/api/library/${encodeURIComponent(aid)}`;
+export const projectFileUrl = (id, aid) => `${project(id)}/files/${encodeURIComponent(aid)}`;
 export const exportUrl = (id, format) => `${conv(id)}/export?format=${format}`;
 export const uploadUrl = (id) => (id == null ? "/api/library" : `${conv(id)}/attachments`);
 
