@@ -144,3 +144,4 @@ async def test_allow_sharing_false_refuses_every_sharing_route(tmp_path, sim):
         assert (await client.delete(f"/api/shares/{link['id']}")).status_code == 403
         assert (await client.get(link["url"])).status_code == 404
         assert (await client.get(f"/api/shared/{link['id']}")).status_code == 404
+        assert (await client.get("/healthz")).json()["sharing"] is False  # the page hides Share

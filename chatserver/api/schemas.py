@@ -182,6 +182,7 @@ class Health(TypedDict):
     worker: int
     workers: int
     pid: int
+    sharing: bool  # ALLOW_SHARING: the page offers Share only when true
 
 
 class MemoryText(TypedDict):

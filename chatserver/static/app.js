@@ -18,7 +18,7 @@ import { $, closeSidebar, openSidebar, showError, sidebarOpen, toast } from "./p
 import { wirePeople } from "./people.js";
 import { loadProjects, wireProjects } from "./projects.js";
 import { SearchBox } from "./search.js";
-import { loadSharing, wireSharing } from "./sharing.js";
+import { setSharing, wireSharing } from "./sharing.js";
 import { store, subscribe } from "./store.js";
 import { wireTranscript } from "./transcript.js";
 import { onTurn, stop } from "./turn.js";
@@ -178,9 +178,9 @@ async function boot() {
     loadModels(),
     loadList(),
     loadProjects(),
-    loadSharing(),
   ]);
   setServerInfo({ health, presets, tools });
+  setSharing(health);
   $("demo-banner").hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
   const wanted = hashId();
   if (wanted) await openConversation(wanted, { address: "replace" });

@@ -6,7 +6,7 @@ import { api } from "./api.js";
 import { draftOf } from "./composer.js";
 import { deleteConversation, openConversation, organize, untitled } from "./conversation.js";
 import { $, showError } from "./page.js";
-import { listOrder, modelLabel, setList, setOpen, store, subscribe } from "./store.js";
+import { inProject, listOrder, modelLabel, setList, setOpen, store, subscribe } from "./store.js";
 import { UNTITLED, button, node } from "./ui.js";
 
 const list = $("conversation-list");
@@ -47,7 +47,7 @@ export function listed(c) {
 
 function render() {
   // A project's conversations are in its folder (projects.js), except in the archived view.
-  const shown = listOrder().filter((c) => listed(c) && (archivedView || !c.project_id));
+  const shown = listOrder().filter((c) => listed(c) && (archivedView || !inProject(c)));
   const focused = list.contains(document.activeElement) ? document.activeElement : null;
   const selection = focused instanceof HTMLInputElement &&
     [focused.selectionStart, focused.selectionEnd, focused.selectionDirection];

@@ -1,6 +1,6 @@
 // People in Settings, for administrators of a server with AUTH=password (docs/API.md "People"):
 // the list, adding a person, a new password, promote or demote, remove (asked once, in place).
-// For anyone else the server answers 403 or 404 and the section stays hidden.
+// For anyone else the section stays hidden (and the server would answer 403 or 404).
 
 import { api } from "./api.js";
 import { $, showError } from "./page.js";
@@ -12,17 +12,12 @@ function status(text, isError = false) {
   line.classList.toggle("error-text", isError);
 }
 
+/** The section, for an administrator with accounts on (the one person of AUTH=none is "local"). */
 export async function renderPeople() {
-  let people;
-  try {
-    people = await api.people();
-  } catch (err) {
-    if (err.status !== 403 && err.status !== 404) throw err;
-    $("people-section").hidden = true;
-    return;
-  }
-  $("people-section").hidden = false;
-  $("people-list").replaceChildren(...people.map(row));
+  const me = await fetch("/api/auth/me").then((res) => (res.ok ? res.json() : null)).catch(() => null);
+  const shown = !!me?.admin && me.username !== "local";
+  $("people-section").hidden = !shown;
+  if (shown) $("people-list").replaceChildren(...(await api.people()).map(row));
 }
 
 function row(person) {

@@ -9,24 +9,24 @@ import { openConversation } from "./conversation.js";
 import { pickedModel } from "./header.js";
 import { loadList, showingArchived } from "./list.js";
 import { $, showError, toast } from "./page.js";
-import { listOrder, setOpen, store, subscribe } from "./store.js";
+import { listOrder, setOpen, setProjects, store, subscribe } from "./store.js";
 import { UNTITLED, button, node } from "./ui.js";
 
-let projects = [];
 let editing = null; // the project the dialog shows, or null for a new one
 const DRAG_TYPE = "application/x-chat-conversation";
 
 export async function loadProjects() {
-  projects = await api.projects();
-  render();
+  setProjects(await api.projects());
 }
+
+const projectList = () => [...store.projects.values()];
 
 /** Move a conversation into project `projectId` (null: out of every project): one PATCH. */
 export async function moveToProject(convId, projectId) {
   const updated = await api.patchConversation(convId, { project_id: projectId });
   if (store.conv?.id === convId) setOpen(updated);
   await loadList();
-  const name = projects.find((p) => p.id === projectId)?.name;
+  const name = store.projects.get(projectId)?.name;
   toast(projectId ? `Moved to “${name}”.` : "Moved out of the project.");
 }
 
@@ -34,7 +34,7 @@ function render() {
   const list = $("project-list");
   const open = new Set([...list.querySelectorAll("details[open]")].map((d) => d.dataset.projectId));
   const chats = listOrder();
-  list.replaceChildren(...projects.map((p) => folder(p, chats.filter((c) => c.project_id === p.id), open.has(p.id))));
+  list.replaceChildren(...projectList().map((p) => folder(p, chats.filter((c) => c.project_id === p.id), open.has(p.id))));
   $("projects").hidden = showingArchived();
   renderMenu();
 }
@@ -97,8 +97,8 @@ function dropTarget(el, projectId) {
 function renderMenu() {
   const select = $("menu-project");
   const conv = store.conv;
-  $("menu-project-row").hidden = !conv || !projects.length;
-  const options = [new Option("No project", ""), ...projects.map((p) => new Option(p.name, p.id))];
+  $("menu-project-row").hidden = !conv || !store.projects.size;
+  const options = [new Option("No project", ""), ...projectList().map((p) => new Option(p.name, p.id))];
   select.replaceChildren(...options);
   select.value = conv?.project_id || "";
 }

@@ -1,7 +1,6 @@
 // Shared read-only copies (docs/API.md "Shared read-only copies"): "Share a read-only copy…" in the
 // conversation's ⋯ menu makes a link (files' names and costs only when ticked); Settings lists
-// the person's links with Revoke. With ALLOW_SHARING=false the server answers 403 and all of it
-// stays hidden.
+// the person's links with Revoke. With ALLOW_SHARING=false (`/healthz` says) all of it stays hidden.
 
 import { api } from "./api.js";
 import { $, showError, toast } from "./page.js";
@@ -11,15 +10,9 @@ import { copyText } from "./views.js";
 
 let sharingOn = false;
 
-/** Whether this server shares at all: its answer to the list of links says. */
-export async function loadSharing() {
-  try {
-    await api.shares();
-    sharingOn = true;
-  } catch (err) {
-    if (err.status !== 403) throw err;
-    sharingOn = false;
-  }
+/** Whether this server shares at all (ALLOW_SHARING, as `/healthz` says). */
+export function setSharing(health) {
+  sharingOn = health?.sharing === true;
   renderMenu();
 }
 
