@@ -9,13 +9,12 @@ import pytest
 
 from chatserver.config import Settings
 from chatserver.store.files import FileStore
-from chatserver.store.migrate import migrate
-from chatserver.store.redis import RedisStore
 from gateway_sim.simulator import Script, steps
 from redis_support import unique_prefix
 from support import names, parse_sse
 from test_attachments import upload
 from test_auth import A_PASSWORD, B_PASSWORD, FAST, Server, log_in, store_options
+from test_migrate import run_migrate
 
 INSTRUCTIONS = "Project rule: answer every question about the Harbour Survey in metric units."
 
@@ -167,22 +166,40 @@ async def test_a_conversation_moves_in_and_out_with_one_patch(server, alice):
     assert (await alice.patch(f"/api/conversations/{conv['id']}", json={"project_id": None})).json()["project_id"] is None
 
 
-async def test_migrate_carries_projects_files_to_redis_and_back(tmp_path, redis_server):
-    source = FileStore(tmp_path / "a")
-    alice = source.for_owner("alice")
-    await alice.update_document("projects", lambda _: b'{"version": 1, "projects": [{"id": "p1234567890"}]}')
-    await alice.update_document("shares", lambda _: b'{"shares": []}')
-    await source.write_share("S" * 40, b'{"owner": "alice"}')
-    redis = RedisStore(redis_server.url, prefix=unique_prefix())
-    back = FileStore(tmp_path / "b")
-    try:
-        await migrate(source, redis)
-        assert await redis.for_owner("alice").read_document("projects") == await alice.read_document("projects")
-        assert "alice" in await redis.owners()
-        copied = await migrate(redis, back)
-        assert copied["projects"] == 1 and copied["shares"] == 1
-        assert await back.for_owner("alice").read_document("projects") == await alice.read_document("projects")
-        assert await back.for_owner("alice").read_document("shares") == b'{"shares": []}'
-        assert await back.read_share("S" * 40) == b'{"owner": "alice"}'
-    finally:
-        await redis.close()
+async def test_migrate_carries_projects_and_their_files_to_redis_and_back(tmp_path, sim, redis_server):
+    """`server.py migrate` files -> Redis -> files: the projects, their files, the shared links."""
+    source_dir, back_dir = tmp_path / "source", tmp_path / "back"
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=source_dir, upstream_timeout=5)
+    async with Server(settings) as srv, srv.client() as client:
+        project = await new_project(client)
+        stored = await upload(client, "", "survey.txt", b"Survey notes: the cormorant colony.\n",
+                              path=f"/api/projects/{project['id']}/files")
+        assert stored.status_code == 201
+        conv = await new_conversation(client, project_id=project["id"])
+        sim.enqueue(Script([steps.Text("Hi.")]))
+        await send(client, conv["id"], "hello")
+        link = (await client.post(f"/api/conversations/{conv['id']}/share", json={})).json()
+    redis_args = ["--redis-url", redis_server.url, "--redis-prefix", unique_prefix()]
+
+    out = run_migrate("--from", "files", "--to", "redis", "--data-dir", str(source_dir), *redis_args)
+    assert "1 projects, 1 shares" in out and "1 shared snapshots, 1 attachments" in out
+    run_migrate("--from", "redis", "--to", "files", "--data-dir", str(back_dir), *redis_args)
+
+    for relative in ("projects.json", "shares.json", f"shares/{link['id']}.json"):
+        assert (back_dir / relative).read_bytes() == (source_dir / relative).read_bytes(), relative
+    files = source_dir / "attachments" / "project" / project["id"]
+    copied = back_dir / "attachments" / "project" / project["id"]
+    assert sorted(p.relative_to(files) for p in files.rglob("*") if p.is_file()) == \
+        sorted(p.relative_to(copied) for p in copied.rglob("*") if p.is_file())
+    assert (copied / stored.json()["id"] / "original").read_bytes() == b"Survey notes: the cormorant colony.\n"
+    back = FileStore(back_dir)
+    assert back.load(conv["id"])["project_id"] == project["id"]
+
+
+async def test_the_budget_projection_counts_the_project_instructions(server, alice):
+    """Before the first measured reply the projection is an estimate: it must not leave them out."""
+    project = await new_project(alice, instructions="Keep to the survey's vocabulary. " * 600)
+    inside = await new_conversation(alice, project_id=project["id"])
+    outside = await new_conversation(alice)
+    grown = inside["context"]["history"] - outside["context"]["history"]
+    assert grown > 3000, (inside["context"], outside["context"])

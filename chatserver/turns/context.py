@@ -313,7 +313,7 @@ def _last_measured_reply(messages: list[dict]) -> int | None:
     return None
 
 
-def prompt_size(conv: dict, memory: str, settings: Settings) -> tuple[int, bool]:
+def prompt_size(conv: dict, memory: str, settings: Settings, project: str = "") -> tuple[int, bool]:
     """(tokens the next request's prompt will hold, whether that rests on a measurement).
 
     Measured: `last_prompt_tokens` + the reply it produced (its measured output tokens) + an
@@ -325,7 +325,7 @@ def prompt_size(conv: dict, memory: str, settings: Settings) -> tuple[int, bool]
     measured = conv.get("last_prompt_tokens")
     anchor = _last_measured_reply(conv["messages"])
     if measured is None or anchor is None:
-        prompt = build_prompt(conv, memory, settings, today=dt.date.today())
+        prompt = build_prompt(conv, memory, settings, today=dt.date.today(), project=project)
         layers = sum(estimate_tokens(p["text"]) for p in prompt.system)
         return layers + sum(estimate_tokens(m["content"] or "") for m in wire_history(conv["messages"])), False
     since = conv["messages"][anchor + 1:]
@@ -333,18 +333,19 @@ def prompt_size(conv: dict, memory: str, settings: Settings) -> tuple[int, bool]
     return measured + reply + sum(estimate_tokens(m["content"] or "") for m in wire_history(since)), True
 
 
-def project(conv: dict, memory: str, settings: Settings) -> int:
-    """Step 1: the next request's size, completion reserve (MAX_COMPLETION_TOKENS) included."""
-    return prompt_size(conv, memory, settings)[0] + settings.max_completion_tokens
+def project(conv: dict, memory: str, settings: Settings, instructions: str = "") -> int:
+    """Step 1: the next request's size, completion reserve (MAX_COMPLETION_TOKENS) included;
+    `instructions`: those of the conversation's project, part of the prompt too."""
+    return prompt_size(conv, memory, settings, instructions)[0] + settings.max_completion_tokens
 
 
-def context_breakdown(conv: dict, memory: str, settings: Settings) -> dict:
+def context_breakdown(conv: dict, memory: str, settings: Settings, project: str = "") -> dict:
     """Token counts behind the context bar: the system layers counted, history the rest of the prompt,
     and the completion reserve that the compression trigger counts too."""
     persona = count_tokens(conv["settings"].get("system_prompt", ""))
     memory_tokens = count_tokens(memory_block(memory))
     summary = count_tokens(summary_block(conv.get("summary", "")))
-    size, measured = prompt_size(conv, memory, settings)
+    size, measured = prompt_size(conv, memory, settings, project)
     return {"budget": budget_of(conv, settings), "persona": persona, "memory": memory_tokens, "summary": summary,
             "history": max(0, size - persona - memory_tokens - summary),
             "reserve": settings.max_completion_tokens, "measured": measured}

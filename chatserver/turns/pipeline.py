@@ -449,7 +449,8 @@ class Turns:
             yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
-            if context.project(conv, memory, self.settings) > context.budget_of(conv, self.settings):
+            _, instructions = await Projects(turn.store).instructions_for(conv)
+            if context.project(conv, memory, self.settings, instructions) > context.budget_of(conv, self.settings):
                 await self._opened(turn)  # compression folds the stored messages, the new one included
                 outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
                 if outcome["folded"] or outcome["dropped"]:
