@@ -404,10 +404,13 @@ class Attachments:
         """
         cutoff = time.time() - older_than
         leftovers = [*self.incoming.glob("upload-*.part"), *self.root.glob("*/.staging-*"),
-                     *self.root.glob("library/*/.staging-*"), *self.root.glob(".deleting-*"),
-                     *self.root.glob("*/.deleting-*"), *self.root.glob("library/*/.deleting-*"),
-                     *self.root.glob("*/*/.original-*.part"), *self.root.glob("library/*/*/.original-*.part")]
-        scopes = [d for d in self.root.glob("*") if valid_id(d.name)] + list(self.root.glob("library/*"))
+                     *self.root.glob(".deleting-*"), *self.root.glob("*/.deleting-*"),
+                     *self.root.glob("*/*/.original-*.part")]
+        for folder in ("library", "project"):  # two levels: library/<owner>, project/<id>
+            leftovers += [*self.root.glob(f"{folder}/*/.staging-*"), *self.root.glob(f"{folder}/*/.deleting-*"),
+                          *self.root.glob(f"{folder}/*/*/.original-*.part")]
+        scopes = [d for d in self.root.glob("*") if valid_id(d.name)] + list(self.root.glob("library/*")) + \
+            list(self.root.glob("project/*"))
         leftovers += [a for d in scopes if d.is_dir() for a in d.iterdir()
                       if valid_id(a.name) and a.is_dir() and not (a / "meta.json").exists()
                       and not (a / "original").exists()]
