@@ -47,7 +47,9 @@ export async function renderShares() {
   $("share-list").replaceChildren(...links.map((link) => {
     const li = node("li", "file-item");
     li.dataset.shareId = link.id;
-    const open = node("a", "file-name", `${link.title} · ${link.created_at.slice(0, 10)}`);
+    const extras = [link.attachments && "file names", link.costs && "costs"].filter(Boolean);
+    const open = node("a", "file-name", `${link.title} · ${link.created_at.slice(0, 10)}` +
+      (extras.length ? ` · with ${extras.join(" and ")}` : ""));
     open.href = link.url;
     open.target = "_blank";
     open.rel = "noopener noreferrer";

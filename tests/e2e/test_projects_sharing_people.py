@@ -15,7 +15,7 @@ from playwright.sync_api import expect
 
 from chatserver.accounts.auth import UserFile
 from gateway_sim.simulator import Script, steps
-from pagekit import Server, assistant_messages, conversation_id, eventually, exchange, new_conversation
+from pagekit import Server, assistant_messages, conversation_id, eventually, exchange, new_conversation, open_page
 
 FAST = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
 ALICE = ("alice", "alice's long secret")
@@ -164,3 +164,22 @@ def test_an_admin_adds_a_person_in_settings_and_that_person_logs_in(browser, acc
         assert carol.js_errors == []
     finally:
         carol.context.close()
+
+
+def test_with_sharing_off_the_page_offers_no_share(browser, tmp_path_factory, gateway):
+    srv = Server(tmp_path_factory.mktemp("no-sharing") / "data",
+                 {"GATEWAY_BASE_URL": gateway.base_url, "ALLOW_SHARING": "false"})
+    try:
+        page = open_page(browser, srv.base_url)
+        try:
+            page.get_by_test_id("conversation-menu").click()
+            expect(page.get_by_test_id("menu-pin")).to_be_visible()  # the menu is open, for a conversation
+            expect(page.get_by_test_id("menu-share")).to_be_hidden()
+            page.keyboard.press("Escape")
+            page.get_by_test_id("settings-open").click()
+            expect(page.get_by_role("dialog", name="Settings").get_by_test_id("shares-section")).to_be_hidden()
+            assert page.js_errors == []
+        finally:
+            page.context.close()
+    finally:
+        srv.stop()
