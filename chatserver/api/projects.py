@@ -31,7 +31,7 @@ from chatserver.api.attachments import _download as download_file
 from chatserver.api.attachments import _page_image as page_image
 from chatserver.api.attachments import _passages as file_passages
 from chatserver.api.attachments import _upload as upload_file
-from chatserver.api.deps import OwnerDep, OwnerStoreDep, StateDep
+from chatserver.api.deps import OwnerDep, OwnerStoreDep, State, StateDep
 from chatserver.api.schemas import Project, ProjectCreate, ProjectPatch
 from chatserver.attachments.store import Scope, project_scope, public
 from chatserver.conversations.projects import ProjectNotFound, Projects, TooManyProjects
@@ -43,6 +43,11 @@ NOT_FOUND = {404: {"description": "no such project (another person's included)"}
 
 async def get_projects(store: OwnerStoreDep) -> Projects:
     return Projects(store)
+
+
+def announce(state: State, owner: str, project_id: str) -> None:
+    """Tell the person's other pages (tabs, devices, servers) that a project changed: they read the list again."""
+    state.events.publish(owner, "project", {"id": project_id})
 
 
 ProjectsDep = Annotated[Projects, Depends(get_projects)]
@@ -62,11 +67,13 @@ async def list_projects(projects: ProjectsDep) -> list[Project]:
 
 
 @router.post("", status_code=201)
-async def create_project(body: ProjectCreate, projects: ProjectsDep) -> Project:
+async def create_project(body: ProjectCreate, projects: ProjectsDep, state: StateDep) -> Project:
     try:
-        return await projects.create(body.name, body.instructions)  # type: ignore[return-value]
+        made = await projects.create(body.name, body.instructions)
     except TooManyProjects as exc:
         raise HTTPException(413, str(exc)) from None
+    announce(state, projects.store.owner, made["id"])
+    return made  # type: ignore[return-value]
 
 
 @router.get("/{project_id}", responses=NOT_FOUND)
@@ -75,8 +82,10 @@ async def get_project(project_id: str, projects: ProjectsDep) -> Project:
 
 
 @router.patch("/{project_id}", responses=NOT_FOUND)
-async def patch_project(project_id: str, body: ProjectPatch, projects: ProjectsDep) -> Project:
-    return await projects.update(project_id, body.model_dump(exclude_none=True))  # type: ignore[return-value]
+async def patch_project(project_id: str, body: ProjectPatch, projects: ProjectsDep, state: StateDep) -> Project:
+    changed = await projects.update(project_id, body.model_dump(exclude_none=True))
+    announce(state, projects.store.owner, project_id)
+    return changed  # type: ignore[return-value]
 
 
 @router.delete("/{project_id}", status_code=204, responses=NOT_FOUND)
@@ -90,6 +99,7 @@ async def delete_project(project_id: str, projects: ProjectsDep, store: OwnerSto
             except NotFound:
                 continue  # deleted meanwhile
     await state.attachments.delete_scope(project_scope(project_id))
+    announce(state, store.owner, project_id)
     return Response(status_code=204)
 
 

@@ -170,7 +170,11 @@ function wire() {
 
 async function boot() {
   wire();
-  listen({ conversation: onConversation, deleted: onDeleted, turn: onTurn, reconnected });
+  const readProjects = () => loadProjects().catch(showError);
+  listen({ conversation: onConversation, deleted: onDeleted, turn: onTurn, project: readProjects, reconnected: () => {
+    reconnected();
+    readProjects();
+  } });
   const [health, presets, tools] = await Promise.all([
     api.health().catch(() => null),
     api.presets().catch(() => []),

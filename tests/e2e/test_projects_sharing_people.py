@@ -183,3 +183,20 @@ def test_with_sharing_off_the_page_offers_no_share(browser, tmp_path_factory, ga
             page.context.close()
     finally:
         srv.stop()
+
+
+def test_a_project_made_in_one_tab_shows_in_the_other_without_a_reload(browser, accounts_server):
+    first = signed_in(browser, accounts_server, *ALICE)
+    second = signed_in(browser, accounts_server, *ALICE)
+    try:
+        expect(second.locator("body")).to_have_attribute("data-live", "true")
+        made = api_as(first, "POST", "/api/projects", {"name": "Told, not polled"})
+        assert made["status"] == 201
+        folder = second.get_by_test_id("project-folder").filter(has_text="Told, not polled")
+        expect(folder).to_be_visible()
+        assert api_as(first, "DELETE", f"/api/projects/{json.loads(made['body'])['id']}")["status"] == 204
+        expect(folder).to_have_count(0)
+        assert first.js_errors == [] and second.js_errors == []
+    finally:
+        first.context.close()
+        second.context.close()
