@@ -26,7 +26,7 @@ from chatserver.accounts.files import FileAccountStore
 from chatserver.accounts.store import AccountStore
 from chatserver.api import attachments as attachment_routes
 from chatserver.api import auth as auth_routes
-from chatserver.api import conversations, memory, models, quota, remote_images, site
+from chatserver.api import conversations, memory, models, people, projects, quota, remote_images, sharing, site
 from chatserver.api import events as live
 from chatserver.api import exchange as exchange_routes
 from chatserver.api import presets as preset_routes
@@ -38,6 +38,7 @@ from chatserver.attachments.meta import AttachmentMeta, FileMeta
 from chatserver.attachments.store import Attachments, Limits
 from chatserver.config import Settings, get_settings
 from chatserver.conversations import pii
+from chatserver.conversations.projects import ProjectNotFound
 from chatserver.search.follow import StillBuilding, open_search
 from chatserver.store.files import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from chatserver.store.person_events import PersonEvents, RedisPersonEvents
@@ -239,7 +240,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes, live, quota, remote_images):
+                   exchange_routes, live, quota, remote_images, projects, sharing, people):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app
@@ -274,6 +275,10 @@ def install_error_answers(app: FastAPI) -> None:
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
         return detail(404, "conversation not found")
+
+    @app.exception_handler(ProjectNotFound)
+    async def no_project(_: Request, exc: ProjectNotFound) -> JSONResponse:
+        return detail(404, "project not found")
 
     @app.exception_handler(Damaged)
     async def damaged(_: Request, exc: Damaged) -> JSONResponse:

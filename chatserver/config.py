@@ -93,6 +93,8 @@ class Settings(BaseSettings):
     approve_facts: bool = False
     # After a conversation's first reply, one small SUMMARIZER_MODEL call names it.
     auto_title: bool = True
+    # Read-only copies of a conversation at an unguessable link, readable without an account.
+    allow_sharing: bool = True
     cache_ttl: Literal["5m", "1h"] = "5m"
     cache_history_breakpoint: bool = True
 

@@ -42,7 +42,7 @@ from gateway_sim.simulator import Script, steps
 
 # Cheap hashes keep the tests fast; the server's default is argon2-cffi's RFC 9106 profile.
 FAST = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
-PUBLIC = {"/api/login", "/api/auth/login", "/api/auth/me", "/healthz", "/"}
+PUBLIC = {"/api/login", "/api/auth/login", "/api/auth/me", "/healthz", "/", "/api/shared/{share_id}"}
 A_PASSWORD = "alice's long secret"
 B_PASSWORD = "bob's other secret"
 

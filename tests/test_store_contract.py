@@ -159,7 +159,7 @@ async def test_list_is_the_owners_own_with_update_times(store):
     assert newest_first[0] == {"id": a1["id"], "title": "a1", "model": "m-1",
                                "updated_at": newest_first[0]["updated_at"], "message_count": 1,
                                "last_message_at": newest_first[0]["last_message_at"],
-                               "pinned": False, "archived": False}
+                               "pinned": False, "archived": False, "project_id": None}
     assert [e["id"] for e in await bob.list()] == [b1["id"]]
 
 

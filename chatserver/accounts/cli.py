@@ -5,7 +5,8 @@ server uses) or the Redis at REDIS_URL; running servers pick changes up without 
 Passwords are asked twice on a terminal, or read as one line from stdin when it is not one
 (scripts, tests). Changing a password or removing a user ends their sessions, in either store.
 `remove` removes the person's data too (conversations with their files, library, memory,
-presets, search rows), after a yes on a terminal or with `--yes`.
+presets, projects, shared links, search rows), after a yes on a terminal or with `--yes`
+(`accounts/removal.py`, as the People routes do).
 Knows nothing of HTTP.
 """
 
@@ -23,6 +24,7 @@ from argon2 import PasswordHasher
 from pydantic import ValidationError
 
 from chatserver.accounts.auth import LOCAL_OWNER, MIN_PASSWORD_CHARS
+from chatserver.accounts.removal import remove_person_data
 from chatserver.accounts.store import AccountStore, BadAccount
 from chatserver.api.exchange import INDEX_FILE, SYNCED_INDEX_FILE
 from chatserver.attachments.blobs import BlobsUnavailable
@@ -131,14 +133,7 @@ async def remove_data(settings: Settings, owner: str) -> int:
     # Their files where the server keeps them: metadata beside the conversations, originals in BLOB_STORE.
     attachments = make_attachments(settings, stores.shared)
     try:
-        mine = store.for_owner(owner)
-        conv_ids = [c["id"] for c in await mine.list()]
-        for conv_id in conv_ids:
-            await mine.delete(conv_id)
-            await attachments.delete_scope(conversation_scope(conv_id))
-        await attachments.delete_scope(library_scope(owner))
-        await mine.forget_memory()
-        await mine.forget_presets()
+        conv_ids = await remove_person_data(store, attachments, owner)
         # The server's own indexes, and each WORKERS process's (SEARCH_INDEX_DIR/worker-N); the
         # attachments' passages in the server's own went with delete_scope above.
         scopes = [conversation_scope(conv_id) for conv_id in conv_ids] + [library_scope(owner)]

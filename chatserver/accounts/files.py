@@ -27,6 +27,7 @@ from chatserver.accounts.store import (
     AccountsDump,
     Attempt,
     BadAccount,
+    LastAdmin,
     Throttled,
     check_new_name,
     new_user_record,
@@ -93,11 +94,26 @@ class UserFile:
             if end_sessions:
                 record["epoch"] = secrets.token_hex(8)
 
-    def remove(self, name: str) -> dict:
+    def remove(self, name: str, keep_an_admin: bool = False) -> dict:
         with self.edit() as content:
             record = _named(content, name)
+            if keep_an_admin and record.get("admin"):
+                _not_the_last_admin(content, name)
             content["users"].remove(record)
         return record
+
+    def set_admin(self, name: str, admin: bool) -> dict:
+        with self.edit() as content:
+            record = _named(content, name)
+            if not admin and record.get("admin"):
+                _not_the_last_admin(content, name)
+            record["admin"] = admin
+        return record
+
+
+def _not_the_last_admin(content: dict, name: str) -> None:
+    if sum(1 for u in content["users"] if u.get("admin")) <= 1:
+        raise LastAdmin(name)
 
 
 def _named(content: dict, name: str) -> dict:
@@ -203,8 +219,11 @@ class FileAccountStore:
         if end_sessions:
             await self._write_sessions(time.time())  # the old epoch's sessions are dropped
 
-    async def remove_user(self, name: str) -> dict:
-        record = self.users_file.remove(name)
+    async def set_admin(self, name: str, admin: bool) -> dict:
+        return self.users_file.set_admin(name, admin)
+
+    async def remove_user(self, name: str, *, keep_an_admin: bool = False) -> dict:
+        record = self.users_file.remove(name, keep_an_admin)
         await self._write_sessions(time.time())
         return record
 

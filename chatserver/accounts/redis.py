@@ -36,6 +36,7 @@ from chatserver.accounts.store import (
     AccountsDump,
     Attempt,
     BadAccount,
+    LastAdmin,
     Throttled,
     check_new_name,
     new_user_record,
@@ -76,15 +77,43 @@ end
 return 1
 """
 
-# KEYS: users hash, the user's session set, the order. ARGV: lower name, session key prefix.
-# The removed record or false.
+# KEYS: users hash, the user's session set, the order. ARGV: lower name, session key prefix, "1" to
+# refuse removing the last admin. The removed record, false, or 'last admin' (nothing removed).
+_LAST_ADMIN = """
+local admins = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+  if cjson.decode(v)['admin'] == true then admins = admins + 1 end
+end
+"""
+
 REMOVE_USER = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return false end
+if ARGV[3] == '1' and cjson.decode(cur)['admin'] == true then
+""" + _LAST_ADMIN + """
+  if admins <= 1 then return 'last admin' end
+end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 """ + _END_SESSIONS + """
 return cur
+"""
+
+# KEYS: users hash. ARGV: lower name, "1" admin or "0" not. The record as now stored, false for no
+# such user, or 'last admin' (nothing changed): counted and changed in one step, so two admins
+# demoting each other at once cannot leave none.
+SET_ADMIN = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return false end
+local record = cjson.decode(cur)
+if ARGV[2] == '0' and record['admin'] == true then
+""" + _LAST_ADMIN + """
+  if admins <= 1 then return 'last admin' end
+end
+record['admin'] = ARGV[2] == '1'
+local out = cjson.encode(record)
+redis.call('HSET', KEYS[1], ARGV[1], out)
+return out
 """
 
 # KEYS: users hash, the order. ARGV: lower name, record. Adds or replaces (a replaced user keeps its place).
@@ -240,6 +269,7 @@ class RedisAccountStore:
         self._add_user = redis.register_script(ADD_USER)
         self._set_user = redis.register_script(SET_USER)
         self._remove_user = redis.register_script(REMOVE_USER)
+        self._set_admin = redis.register_script(SET_ADMIN)
         self._put_user = redis.register_script(PUT_USER)
         self._read_session = redis.register_script(READ_SESSION)
         self._save_session = redis.register_script(SAVE_SESSION)
@@ -312,13 +342,24 @@ class RedisAccountStore:
                 return
             # -1: another process changed the record between the read and the write; read it again.
 
-    async def remove_user(self, name: str) -> dict:
+    async def remove_user(self, name: str, *, keep_an_admin: bool = False) -> dict:
         with self.reachable():
             removed = await self._remove_user(keys=[self.users_key, self._user_sessions_key(name), self._order_key],
-                                              args=[name.lower(), self._session_prefix])
+                                              args=[name.lower(), self._session_prefix, "1" if keep_an_admin else "0"])
         if removed is None:
             raise BadAccount(f"there is no user named {name!r}")
+        if removed == b"last admin":
+            raise LastAdmin(name)
         return orjson.loads(removed)
+
+    async def set_admin(self, name: str, admin: bool) -> dict:
+        with self.reachable():
+            stored = await self._set_admin(keys=[self.users_key], args=[name.lower(), "1" if admin else "0"])
+        if stored is None:
+            raise BadAccount(f"there is no user named {name!r}")
+        if stored == b"last admin":
+            raise LastAdmin(name)
+        return orjson.loads(stored)
 
     # Sessions.
     async def session(self, digest: str) -> tuple[dict, dict | None] | None:

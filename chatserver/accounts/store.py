@@ -39,6 +39,13 @@ class Throttled(Exception):
         self.retry_after = retry_after
 
 
+class LastAdmin(Exception):
+    """The change would leave the accounts without an administrator; nothing was changed."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} is the last administrator: make someone else an administrator first")
+
+
 class BadAccount(ValueError):
     """A user change that cannot be made (bad name, taken name, short password, unknown user)."""
 
@@ -137,8 +144,14 @@ class AccountStore(Protocol):
         """Change a password; unless told otherwise a new epoch ends every session the user had."""
         ...
 
-    async def remove_user(self, name: str) -> dict:
-        """Remove the account and end its sessions; its record (BadAccount when there is none)."""
+    async def remove_user(self, name: str, *, keep_an_admin: bool = False) -> dict:
+        """Remove the account and end its sessions; its record (BadAccount when there is none).
+        `keep_an_admin`: refuse (LastAdmin) to remove the last administrator."""
+        ...
+
+    async def set_admin(self, name: str, admin: bool) -> dict:
+        """Promote or demote; the record as stored (BadAccount: no such user; LastAdmin: it would
+        leave no administrator, and nothing changed)."""
         ...
 
     async def session(self, digest: str) -> tuple[dict, dict | None] | None:

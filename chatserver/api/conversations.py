@@ -32,6 +32,7 @@ from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches, pii
 from chatserver.conversations.document import new_id, now_iso
 from chatserver.conversations.presets import PresetNotFound, presets_for
+from chatserver.conversations.projects import Projects
 from chatserver.sizes import admin_setting
 from chatserver.store.files import OwnerStore, TurnBusy
 from chatserver.tools import registry as tools
@@ -101,8 +102,9 @@ async def conversation_out(state, store: OwnerStore, conv: dict, status_code: in
     out.setdefault("pinned", False)
     out.setdefault("archived", False)
     out.setdefault("title_source", "auto")
+    _, project = await Projects(store).instructions_for(conv)
     out["context"] = context.context_breakdown(conv, await store.read_memory(), state.settings,
-                                               await state.turns.image_tokens(conv, conv["model"]))
+                                               await state.turns.image_tokens(conv, conv["model"]), project)
     out["streaming"] = await store.turn_locked(conv["id"])
     out["turn"] = await state.hub.info(conv["id"])
     return json_answer(out, status_code)
@@ -139,12 +141,15 @@ async def create_conversation(state: StateDep, store: OwnerStoreDep,
     model = body.model or state.settings.default_model
     if not await state.turns.in_lineup(model):
         return JSONResponse({"detail": not_in_lineup(model)}, status_code=422)
+    if body.project_id is not None:
+        await Projects(store).get(body.project_id)
     created = now_iso()
     conv = await store.create({
         "id": new_id(), "title": NEW_TITLE,
         "model": model,
         "created_at": created, "updated_at": created,
         "settings": await default_settings(state.settings, body.preset, store),
+        "project_id": body.project_id,
     })
     return await conversation_out(state, store, conv, 201)
 
@@ -169,6 +174,9 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
         problem = await _unusable_tools(state, store, conv_id, body.settings)
         if problem:
             return JSONResponse({"detail": f"settings.tools: {problem}"}, status_code=422)
+    moving = "project_id" in body.model_fields_set
+    if moving and body.project_id is not None:
+        await Projects(store).get(body.project_id)  # another person's project is 404, like an unknown one
 
     masking = state.settings.pii_masking == "on"
     if masking and body.settings is not None and body.settings.system_prompt is not None:
@@ -186,6 +194,8 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
             conv["model"] = body.model
         if body.settings is not None:
             conv["settings"].update(body.settings.model_dump(exclude_none=True))
+        if moving:
+            conv["project_id"] = body.project_id
 
     return await conversation_out(state, store, await store.update(conv_id, apply))
 

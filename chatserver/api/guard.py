@@ -32,6 +32,8 @@ STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
 # Reachable without logging in, so a person can open the page and log in; /api/auth/me answers
 # 401 itself, saying which kind of login the page should offer.
 PUBLIC_PATHS = {"/", "/healthz", "/api/login", "/api/auth/login", "/api/auth/me"}
+# A shared copy is read by whoever holds its link, without an account (api/sharing.py).
+PUBLIC_PREFIXES = ("/static/", "/s/", "/api/shared/")
 # The page is same-origin modules and one stylesheet with no inline script, so everything else
 # is refused: an injected <script>, a plugin, a foreign frame, a <base> or form redirect. data:
 # images only for the page's empty favicon (`<link rel="icon" href="data:,">`).
@@ -138,7 +140,7 @@ class Guard:
 
     async def _authenticate(self, scope: dict, headers: dict) -> tuple | None:
         """Who is asking (auth.Accounts.authenticate), kept in scope["state"]["chat_user"] for the routes."""
-        if scope["path"] in PUBLIC_PATHS or scope["path"].startswith("/static/"):
+        if scope["path"] in PUBLIC_PATHS or scope["path"].startswith(PUBLIC_PREFIXES):
             return None
         try:
             user = await accounts(scope["app"]).authenticate(scope, headers)
@@ -215,7 +217,8 @@ def _bounded(receive: Callable, limit: int | None, deadline: float, timeout: flo
 def _is_upload(path: str, headers: dict) -> bool:
     """A multipart file upload: its route streams the body itself under MAX_ATTACHMENT_BYTES."""
     return headers.get("content-type", "").lower().startswith("multipart/form-data") and (
-        path.endswith("/attachments") or path in ("/api/library", "/api/import"))
+        path.endswith("/attachments") or path in ("/api/library", "/api/import")
+        or (path.startswith("/api/projects/") and path.endswith("/files")))
 
 
 def _with_security_headers(send: Callable) -> Callable[[dict], Awaitable[None]]:

@@ -11,7 +11,8 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel
 
 from chatserver.api.deps import OwnerStoreDep, StateDep
-from chatserver.attachments.store import Attachments, conversation_scope, library_scope
+from chatserver.attachments.store import Attachments, conversation_scope, library_scope, project_scope
+from chatserver.conversations.projects import Projects
 from chatserver.sizes import size_words
 from chatserver.store.files import OwnerStore
 
@@ -25,16 +26,17 @@ class QuotaOut(BaseModel):
     conversation_quota: int
 
 
-async def file_usage(attachments: Attachments, owner: str, conversations: list[dict]) -> int:
-    """The bytes of every file this person keeps: their conversations' and their library's."""
-    scopes = [library_scope(owner), *(conversation_scope(c["id"]) for c in conversations)]
+async def file_usage(attachments: Attachments, store: OwnerStore, conversations: list[dict]) -> int:
+    """The bytes of every file this person keeps: their conversations', projects' and library's."""
+    scopes = [library_scope(store.owner), *(conversation_scope(c["id"]) for c in conversations),
+              *(project_scope(p["id"]) for p in await Projects(store).list())]
     return await attachments.used_bytes(scopes)
 
 
 async def check_files(attachments: Attachments, store: OwnerStore, size: int) -> None:
     """413 when a file of `size` bytes would take the person past QUOTA_FILE_BYTES."""
     quota = attachments.limits.quota_bytes
-    used = await file_usage(attachments, store.owner, await store.list())
+    used = await file_usage(attachments, store, await store.list())
     if used + size > quota:
         raise HTTPException(413, f"QUOTA_FILE_BYTES: your files take {size_words(used)} of the "
                                  f"{size_words(quota)} each person may keep, and this one ({size_words(size)}) "
@@ -55,7 +57,7 @@ async def get_quota(state: StateDep, store: OwnerStoreDep) -> dict:
     """What this person's files and conversations take, against their quotas."""
     conversations = await store.list()
     return {
-        "file_bytes": await file_usage(state.attachments, store.owner, conversations),
+        "file_bytes": await file_usage(state.attachments, store, conversations),
         "file_quota": state.attachments.limits.quota_bytes,
         "conversations": len(conversations),
         "conversation_quota": state.settings.quota_conversations,

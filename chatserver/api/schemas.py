@@ -127,6 +127,7 @@ class Conversation(TypedDict):
     archived: bool
     title_source: Literal["auto", "model", "user", "imported"]
     turn: RunningTurn | None
+    project_id: NotRequired[str | None]
 
 
 class ConversationEntry(TypedDict):
@@ -139,6 +140,15 @@ class ConversationEntry(TypedDict):
     streaming: bool
     pinned: bool
     archived: bool
+    project_id: str | None
+
+
+class Project(TypedDict):
+    id: str
+    name: str
+    instructions: str
+    created_at: str
+    updated_at: str
 
 
 class ModelEntry(TypedDict):
@@ -173,6 +183,7 @@ class Health(TypedDict):
     worker: int
     workers: int
     pid: int
+    sharing: bool  # ALLOW_SHARING: the page offers Share only when true
 
 
 class MemoryText(TypedDict):
@@ -234,6 +245,31 @@ ModelId = Annotated[StrictStr, Field(min_length=1, max_length=200), AfterValidat
 class ConversationCreate(Strict):
     model: ModelId | None = None
     preset: StrictStr | None = Field(None, max_length=100)
+    project_id: StrictStr | None = Field(None, max_length=64)  # made inside this project
+
+
+class ProjectCreate(Strict):
+    name: StrictStr = Field(min_length=1, max_length=200)
+    instructions: StrictStr = Field("", max_length=100_000)
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the name is empty")
+        return value.strip()
+
+
+class ProjectPatch(Strict):
+    name: StrictStr | None = Field(None, min_length=1, max_length=200)
+    instructions: StrictStr | None = Field(None, max_length=100_000)
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("the name is empty")
+        return value.strip() if value is not None else None
 
 
 class ConversationPatch(Strict):
@@ -242,6 +278,8 @@ class ConversationPatch(Strict):
     settings: SettingsPatch | None = None
     pinned: StrictBool | None = None
     archived: StrictBool | None = None
+    # A project of this person's moves the conversation into it; null moves it out (absent: unchanged).
+    project_id: StrictStr | None = Field(None, max_length=64)
 
 
 class MessageCreate(Strict):

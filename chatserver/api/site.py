@@ -42,7 +42,8 @@ async def healthz(state: StateDep, request: Request) -> dict:
     reachable = await gateway_reachable(state.settings.gateway_base_url, state.turns.gateway.client)
     return {"ok": True, "gateway_configured": configured, "gateway": "configured" if configured else "demo",
             "gateway_reachable": reachable, "search": request.app.state.search.state,
-            "worker": request.app.state.worker, "workers": state.settings.workers, "pid": os.getpid()}
+            "worker": request.app.state.worker, "workers": state.settings.workers, "pid": os.getpid(),
+            "sharing": state.settings.allow_sharing}
 
 
 @router.post("/api/login", status_code=204, responses={401: {"description": "wrong access token"}})

@@ -138,10 +138,10 @@ class FileMeta:
         if not self.root.is_dir():
             return
         for entry in sorted(self.root.iterdir()):
-            if entry.name == "library":
+            if entry.name in ("library", "project"):
                 for owner in sorted(entry.iterdir()):
                     if owner.is_dir() and not owner.name.startswith("."):
-                        yield f"library/{owner.name}"
+                        yield f"{entry.name}/{owner.name}"
             elif valid_id(entry.name) and entry.is_dir():
                 yield entry.name
 

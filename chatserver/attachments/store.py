@@ -119,11 +119,11 @@ class Scope:
     """One owner of attachments: a directory under DATA_DIR/attachments and where hits come from."""
 
     key: str
-    source: str  # "conversation" | "library"
+    source: str  # "conversation" | "library" | "project"
 
 
 def conversation_scope(conversation_id: str) -> Scope:
-    # "library" (7 characters) can never be a conversation id (8-64), so the two never collide.
+    # "library" and "project" (7 characters) can never be a conversation id (8-64), so they never collide.
     if not valid_id(conversation_id):
         raise AttachmentNotFound("conversation not found")
     return Scope(conversation_id, "conversation")
@@ -135,8 +135,17 @@ def library_scope(owner: str) -> Scope:
     return Scope(f"library/{owner}", "library")
 
 
+def project_scope(project_id: str) -> Scope:
+    """A project's files: whoever reaches them has passed the project's owner check (`conversations/projects.py`)."""
+    if not valid_id(project_id):
+        raise AttachmentNotFound("project not found")
+    return Scope(f"project/{project_id}", "project")
+
+
 def scope_of_key(key: str) -> Scope:
-    """The scope a stored key names (`<conversation id>` or `library/<owner>`), checked as when made."""
+    """The scope a stored key names (`<conversation id>`, `library/<owner>` or `project/<id>`), checked as when made."""
+    if key.startswith("project/"):
+        return project_scope(key.removeprefix("project/"))
     owner = key.removeprefix("library/")
     return library_scope(owner) if owner != key else conversation_scope(key)
 
@@ -432,10 +441,13 @@ class Attachments:
         """
         cutoff = time.time() - older_than
         leftovers = [*self.incoming.glob("upload-*.part"), *self.root.glob("*/.staging-*"),
-                     *self.root.glob("library/*/.staging-*"), *self.root.glob(".deleting-*"),
-                     *self.root.glob("*/.deleting-*"), *self.root.glob("library/*/.deleting-*"),
-                     *self.root.glob("*/*/.original-*.part"), *self.root.glob("library/*/*/.original-*.part")]
-        scopes = [d for d in self.root.glob("*") if valid_id(d.name)] + list(self.root.glob("library/*"))
+                     *self.root.glob(".deleting-*"), *self.root.glob("*/.deleting-*"),
+                     *self.root.glob("*/*/.original-*.part")]
+        for folder in ("library", "project"):  # two levels: library/<owner>, project/<id>
+            leftovers += [*self.root.glob(f"{folder}/*/.staging-*"), *self.root.glob(f"{folder}/*/.deleting-*"),
+                          *self.root.glob(f"{folder}/*/*/.original-*.part")]
+        scopes = [d for d in self.root.glob("*") if valid_id(d.name)] + list(self.root.glob("library/*")) + \
+            list(self.root.glob("project/*"))
         leftovers += [a for d in scopes if d.is_dir() for a in d.iterdir()
                       if valid_id(a.name) and a.is_dir() and not (a / "meta.json").exists()
                       and not (a / "original").exists()]
@@ -726,9 +738,12 @@ attachment_scope: ContextVar[AttachmentScope | None] = ContextVar("attachment_sc
 
 @contextlib.contextmanager
 def attachment_context(attachments: Attachments, conversation_id: str, owner: str,
-                       library: bool = False) -> Iterator[AttachmentScope]:
-    """Let the attachment tools see this conversation's files (and the owner's library) inside the block."""
+                       library: bool = False, project_id: str | None = None) -> Iterator[AttachmentScope]:
+    """Let the attachment tools see this conversation's files (its project's, and the owner's library
+    when asked) inside the block. `project_id` must be one the owner's store answered for this conversation."""
     scopes = [conversation_scope(conversation_id)]
+    if project_id:
+        scopes.append(project_scope(project_id))
     if library:
         scopes.append(library_scope(owner))
     scope = AttachmentScope(attachments, tuple(scopes))
@@ -813,8 +828,9 @@ async def attachment_listing(scope: AttachmentScope | None) -> str:
         metas = listed[s.key]
         if not metas:
             continue
-        title = ("Files attached to this conversation:" if s.source == "conversation"
-                 else "Files in the person's library:")
+        title = {"conversation": "Files attached to this conversation:",
+                 "project": "Files of the project this conversation belongs to:"}.get(
+                     s.source, "Files in the person's library:")
         blocks.append("\n".join([title, *(f"- {m['name']} ({_listed_as(m)})" for m in metas)]))
     if not blocks:
         return ""
@@ -830,7 +846,8 @@ def _where(passage: Passage) -> str:
 async def search_attachments(query: str) -> AttachmentToolResult:
     """Search the attached files for passages about `query`: the best ones, with file name and page.
 
-    Sees the files of this conversation, and the person's library when the conversation enables it.
+    Sees the files of this conversation and of its project, and the person's library when the
+    conversation enables it.
 
     Args:
         query: what to look for, in words likely to appear in the file (any language).

@@ -164,4 +164,5 @@ def summary_of(conv: dict) -> dict:
         "message_count": sum(1 for m in messages if m["role"] != "notice"),
         "last_message_at": last or conv["created_at"],
         "pinned": bool(conv.get("pinned")), "archived": bool(conv.get("archived")),
+        "project_id": conv.get("project_id"),
     }

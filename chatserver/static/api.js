@@ -59,6 +59,8 @@ async function readDetail(res) {
 }
 
 const conv = (id) => `/api/conversations/${encodeURIComponent(id)}`;
+const project = (id) => `/api/projects/${encodeURIComponent(id)}`;
+const person = (name) => `/api/people/${encodeURIComponent(name)}`;
 
 export const api = {
   health: () => request("GET", "/healthz"),
@@ -95,6 +97,20 @@ export const api = {
   // The passages behind a citation chip: `url` is a file's route + /passages?label=…&q=… (viewer.js).
   passages: (url) => request("GET", url),
   search: (q, signal) => request("GET", `/api/search?q=${encodeURIComponent(q)}`, undefined, { signal }),
+  projects: () => request("GET", "/api/projects"),
+  createProject: (body) => request("POST", "/api/projects", body),
+  updateProject: (id, body) => request("PATCH", project(id), body),
+  deleteProject: (id) => request("DELETE", project(id)),
+  projectFiles: (id) => request("GET", `${project(id)}/files`),
+  deleteProjectFile: (id, aid) => request("DELETE", projectFileUrl(id, aid)),
+  share: (id, body) => request("POST", `${conv(id)}/share`, body),
+  shares: () => request("GET", "/api/shares"),
+  revokeShare: (shareId) => request("DELETE", `/api/shares/${encodeURIComponent(shareId)}`),
+  people: () => request("GET", "/api/people"),
+  addPerson: (body) => request("POST", "/api/people", body),
+  resetPassword: (name, password) => request("PUT", `${person(name)}/password`, { password }),
+  setAdmin: (name, admin) => request("PATCH", person(name), { admin }),
+  removePerson: (name) => request("DELETE", person(name)),
 };
 
 /** Where a conversation's file downloads from (a no-id library file: `libraryUrl`). */
@@ -102,6 +118,7 @@ export const attachmentUrl = (id, aid) => `${conv(id)}/attachments/${encodeURICo
 export const libraryUrl = (aid) => `/api/library/${encodeURIComponent(aid)}`;
 /** An image's thumbnail (issue 25): a conversation's file, or with a null `id` a library file. */
 export const thumbnailUrl = (id, aid) => `${id == null ? libraryUrl(aid) : attachmentUrl(id, aid)}/thumbnail`;
+export const projectFileUrl = (id, aid) => `${project(id)}/files/${encodeURIComponent(aid)}`;
 export const exportUrl = (id, format) => `${conv(id)}/export?format=${format}`;
 export const uploadUrl = (id) => (id == null ? "/api/library" : `${conv(id)}/attachments`);
 

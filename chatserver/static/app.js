@@ -15,7 +15,10 @@ import { closeHeaderMenu, loadModels, setServerInfo, wireHeader } from "./header
 import { closeRowMenu, loadList, showArchived, showingArchived, wireList } from "./list.js";
 import { listen } from "./live.js";
 import { $, closeSidebar, openSidebar, showError, sidebarOpen, toast } from "./page.js";
+import { wirePeople } from "./people.js";
+import { loadProjects, wireProjects } from "./projects.js";
 import { SearchBox } from "./search.js";
+import { setSharing, wireSharing } from "./sharing.js";
 import { store, subscribe } from "./store.js";
 import { wireTranscript } from "./transcript.js";
 import { onTurn, stop } from "./turn.js";
@@ -126,6 +129,9 @@ function wire() {
   wireComposer();
   wireHeader();
   wireList();
+  wireProjects();
+  wireSharing();
+  wirePeople();
   wireTranscript();
   viewer = new Viewer();
   // A file citation chip opens its passage; the chips are redrawn often, so one listener serves them all.
@@ -165,15 +171,21 @@ function wire() {
 
 async function boot() {
   wire();
-  listen({ conversation: onConversation, deleted: onDeleted, turn: onTurn, reconnected });
+  const readProjects = () => loadProjects().catch(showError);
+  listen({ conversation: onConversation, deleted: onDeleted, turn: onTurn, project: readProjects, reconnected: () => {
+    reconnected();
+    readProjects();
+  } });
   const [health, presets, tools] = await Promise.all([
     api.health().catch(() => null),
     api.presets().catch(() => []),
     api.tools().catch(() => []),
     loadModels(),
     loadList(),
+    loadProjects(),
   ]);
   setServerInfo({ health, presets, tools });
+  setSharing(health);
   $("demo-banner").hidden = !health || health.gateway_configured !== false || !!localStorage.getItem(BANNER_DISMISSED);
   const wanted = hashId();
   if (wanted) await openConversation(wanted, { address: "replace" });

@@ -8,7 +8,7 @@ import { api, exportUrl } from "./api.js";
 import { draftOf } from "./composer.js";
 import { deleteConversation, openConversation, organize, untitled } from "./conversation.js";
 import { $, showError } from "./page.js";
-import { listOrder, modelLabel, setList, setOpen, store, subscribe } from "./store.js";
+import { inProject, listOrder, modelLabel, setList, setOpen, store, subscribe } from "./store.js";
 import { UNTITLED, button, node } from "./ui.js";
 
 const list = $("conversation-list");
@@ -78,7 +78,8 @@ function headItem(label) {
 }
 
 function render() {
-  const shown = listOrder().filter(listed);
+  // A project's conversations are in its folder (projects.js), except in the archived view.
+  const shown = listOrder().filter((c) => listed(c) && (archivedView || !inProject(c)));
   const focused = list.contains(document.activeElement) ? document.activeElement : null;
   const selection = focused instanceof HTMLInputElement &&
     [focused.selectionStart, focused.selectionEnd, focused.selectionDirection];
@@ -132,6 +133,7 @@ function render() {
 function makeRow(id) {
   const li = node("li", "conv-item");
   li.dataset.id = id;
+  li.draggable = true; // onto a project's folder (projects.js)
   const open = button("", { className: "conv-open", onClick: () => openConversation(id).catch(showError) });
   const name = node("span", "conv-name");
   const meta = node("span", "conv-meta");

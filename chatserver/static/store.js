@@ -14,6 +14,8 @@ export const store = {
   turn: null,
   models: null,
   modelIndex: new Map(),
+  /** id → the person's projects (`GET /api/projects`). */
+  projects: new Map(),
 };
 
 /** Call `listener(change)` after every change; `change.type` says which (see the functions below). */
@@ -32,6 +34,15 @@ export function setModels(models) {
   store.modelIndex = new Map(models.tiers.flatMap((t) => t.models.map((m) => [m.id, m])));
   notify({ type: "models" });
 }
+
+/** The person's projects read again. */
+export function setProjects(projects) {
+  store.projects = new Map(projects.map((p) => [p.id, p]));
+  notify({ type: "projects" });
+}
+
+/** A conversation shown in its project's folder rather than in the list (its project exists). */
+export const inProject = (c) => !!c.project_id && store.projects.has(c.project_id);
 
 /** The list read again: entries keep their ids, so what shows them can update each in place. */
 export function setList(entries) {

@@ -5,7 +5,8 @@
 // Everything it shows is untrusted (file names, file text, the model's query): it reaches the page
 // as textContent and <mark> elements built here, never as markup.
 
-import { api, attachmentUrl, libraryUrl } from "./api.js";
+import { api, attachmentUrl, libraryUrl, projectFileUrl } from "./api.js";
+import { store } from "./store.js";
 import { node } from "./ui.js";
 
 const $ = (id) => document.getElementById(id);
@@ -85,7 +86,10 @@ export class Viewer {
     // A chip says which files it came from; one saved before that was asked of both, conversation first.
     const own = convId ? attachmentUrl(convId, citation.attachment_id) : null;
     const library = libraryUrl(citation.attachment_id);
-    const bases = citation.source === "library" ? [library] : citation.source === "conversation" ? [own] : [own, library];
+    // A project's file is reached through the project the open conversation is in.
+    const project = store.conv?.project_id ? projectFileUrl(store.conv.project_id, citation.attachment_id) : null;
+    const bases = citation.source === "library" ? [library] : citation.source === "conversation" ? [own]
+      : citation.source === "project" ? [project] : [own, library];
     let answer = null;
     let base = null;
     let failure = null;

@@ -80,6 +80,10 @@ SEAL_AFTER = 2 * SEGMENT_MESSAGES
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
 # The lists that grow at their end, each with the field that names its sealed segments.
 SEALED_LISTS = {"messages": "earlier_messages", "archive": "earlier_archive"}
+# One small JSON document of each kind per person, beside their memory (see OwnerStore.read_document).
+OWNER_DOCUMENTS = ("presets", "projects", "shares")
+# A shared snapshot's id: URL-safe, never a path (no dot, no slash), long enough not to be guessed.
+SHARE_ID = re.compile(r"[A-Za-z0-9_-]{32,64}")
 
 
 class NotFound(Exception):
@@ -396,6 +400,14 @@ class OwnerStore(Protocol):
 
     async def forget_presets(self) -> None: ...
 
+    async def read_document(self, kind: str) -> bytes | None:
+        """The person's document of one of OWNER_DOCUMENTS (presets, projects, shares), or None."""
+
+    async def update_document(self, kind: str, change: Callable[[bytes | None], bytes]) -> None:
+        """`update_presets` for any of OWNER_DOCUMENTS."""
+
+    async def forget_document(self, kind: str) -> None: ...
+
     async def lock_turn(self, conv_id: str) -> TurnLock:
         """Claim the conversation for one turn; TurnBusy when a turn holds it already."""
 
@@ -437,6 +449,17 @@ class Store(Protocol):
 
     async def owners(self) -> set[str]:
         """Everyone who may have conversations or a memory here."""
+
+    async def read_share(self, share_id: str) -> bytes | None:
+        """A shared snapshot (`conversations/sharing.py` writes it), whoever made it; None when there is none."""
+
+    async def write_share(self, share_id: str, data: bytes) -> None: ...
+
+    async def delete_share(self, share_id: str) -> None: ...
+
+    def every_share(self) -> AsyncIterator[tuple[str, bytes]]:
+        """Every shared snapshot (for the migration)."""
+        ...
 
     async def changes(self) -> AsyncGenerator[StoreChange, None]:
         """Every change from now on, made by any process that shares the store, in order; the
@@ -481,6 +504,19 @@ class StoreObserver(Protocol):
     def removed(self, owner: str, conv_id: str) -> None: ...
 
 
+def check_document(kind: str) -> str:
+    if kind not in OWNER_DOCUMENTS:
+        raise ValueError(f"not a person's document: {kind!r}")
+    return kind
+
+
+def check_share_id(share_id: str) -> str:
+    """The id when it is one the server could have made; NotFound otherwise (it never reaches a path)."""
+    if not isinstance(share_id, str) or not SHARE_ID.fullmatch(share_id):
+        raise NotFound(share_id)
+    return share_id
+
+
 def _check_owner(owner: str) -> str:
     if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
         raise ValueError(f"not an owner id: {owner!r}")
@@ -519,7 +555,7 @@ class FileStore:
         # Told of every change as it is made (e.g. the search index): `changed(owner, conv)`,
         # `removed(owner, conv_id)`; called without awaiting, so they must only queue work.
         self.observers: list[StoreObserver] = []
-        self._presets_lock = asyncio.Lock()
+        self._documents_lock = asyncio.Lock()
 
     def for_owner(self, owner: str) -> FileOwnerStore:
         return FileOwnerStore(self, _check_owner(owner))
@@ -531,10 +567,35 @@ class FileStore:
         return self.root / "users" / _check_owner(owner) / "memory.md"
 
     def presets_path(self, owner: str) -> Path:
+        return self.document_path(owner, "presets")
+
+    def document_path(self, owner: str, kind: str) -> Path:
         """Like the memory: the local person's in DATA_DIR itself, each account's in its own folder."""
+        name = f"{check_document(kind)}.json"
         if owner == LOCAL_OWNER:
-            return self.root / "presets.json"
-        return self.root / "users" / _check_owner(owner) / "presets.json"
+            return self.root / name
+        return self.root / "users" / _check_owner(owner) / name
+
+    def share_path(self, share_id: str) -> Path:
+        return self.root / "shares" / f"{check_share_id(share_id)}.json"
+
+    async def read_share(self, share_id: str) -> bytes | None:
+        try:
+            return self.share_path(share_id).read_bytes()
+        except (FileNotFoundError, NotFound):
+            return None
+
+    async def write_share(self, share_id: str, data: bytes) -> None:
+        atomic_write(self.share_path(share_id), data)
+
+    async def delete_share(self, share_id: str) -> None:
+        self.share_path(share_id).unlink(missing_ok=True)
+
+    async def every_share(self) -> AsyncIterator[tuple[str, bytes]]:
+        folder = self.root / "shares"
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            if SHARE_ID.fullmatch(path.stem):
+                yield path.stem, path.read_bytes()
 
     def _path(self, conv_id: str) -> Path:
         if not valid_id(conv_id):
@@ -917,17 +978,26 @@ class FileOwnerStore:
         self.files.memory_path(self.owner).unlink(missing_ok=True)
 
     async def read_presets(self) -> bytes | None:
+        return await self.read_document("presets")
+
+    async def update_presets(self, change: Callable[[bytes | None], bytes]) -> None:
+        await self.update_document("presets", change)
+
+    async def forget_presets(self) -> None:
+        await self.forget_document("presets")
+
+    async def read_document(self, kind: str) -> bytes | None:
         try:
-            return read_small_file(self.files.presets_path(self.owner))
+            return read_small_file(self.files.document_path(self.owner, kind))
         except FileNotFoundError:
             return None
 
-    async def update_presets(self, change: Callable[[bytes | None], bytes]) -> None:
-        async with self.files._presets_lock:  # one process owns the file store
-            atomic_write(self.files.presets_path(self.owner), change(await self.read_presets()))
+    async def update_document(self, kind: str, change: Callable[[bytes | None], bytes]) -> None:
+        async with self.files._documents_lock:  # one process owns the file store
+            atomic_write(self.files.document_path(self.owner, kind), change(await self.read_document(kind)))
 
-    async def forget_presets(self) -> None:
-        self.files.presets_path(self.owner).unlink(missing_ok=True)
+    async def forget_document(self, kind: str) -> None:
+        self.files.document_path(self.owner, kind).unlink(missing_ok=True)
 
     async def lock_turn(self, conv_id: str) -> TurnLock:
         self._mine(conv_id)

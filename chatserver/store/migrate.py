@@ -1,5 +1,6 @@
 """`python server.py migrate --from files --to redis` (or back): copy every conversation (each
-owner's), every owner's memory and presets, and the custom models from one store to the other.
+owner's), every owner's memory and documents (presets, projects, shares), the shared snapshots and
+the custom models from one store to the other.
 
 The copy is whole and repeatable: a conversation already in the target is replaced by the source's,
 never duplicated, and the source is left as it was. Conversations the target has and the source
@@ -23,7 +24,7 @@ from chatserver.attachments.blobs import BlobMissing, Blobs, BlobsUnavailable, F
 from chatserver.attachments.meta import AttachmentMeta, FileMeta, RedisMeta
 from chatserver.attachments.store import AttachmentNotFound, scope_of_key
 from chatserver.conversations.document import valid_id
-from chatserver.store.files import FileStore, Store
+from chatserver.store.files import OWNER_DOCUMENTS, FileStore, Store
 from chatserver.store.redis import RedisStore, StoreUnavailable
 
 log = logging.getLogger("chat.migrate")
@@ -33,7 +34,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 async def migrate(source: Store, target: Store) -> dict[str, int]:
     """Copy everything from `source` to `target`; how many of each kind were copied."""
-    copied = {"conversations": 0, "memories": 0, "presets": 0, "custom_models": 0}
+    # In the order the summary line has always named them, the newer kinds after.
+    copied = {"conversations": 0, "memories": 0, "presets": 0, "custom_models": 0, "projects": 0, "shares": 0,
+              "shared_snapshots": 0}
     seen = set()
     async for conv in source.every_conversation():
         await target.for_owner(conv["owner"]).create(conv)
@@ -44,10 +47,14 @@ async def migrate(source: Store, target: Store) -> dict[str, int]:
         if text:  # an empty memory is the same as none: do not create files for it
             await target.for_owner(owner).write_memory(text)
             copied["memories"] += 1
-        presets = await source.for_owner(owner).read_presets()
-        if presets is not None:
-            await target.for_owner(owner).update_presets(_replaced_by(presets))
-            copied["presets"] += 1
+        for kind in OWNER_DOCUMENTS:
+            document = await source.for_owner(owner).read_document(kind)
+            if document is not None:
+                await target.for_owner(owner).update_document(kind, _replaced_by(document))
+                copied[kind] += 1
+    async for share_id, snapshot in source.every_share():
+        await target.write_share(share_id, snapshot)
+        copied["shared_snapshots"] += 1
     models = await source.read_custom_models()
     if models:
         await target.write_custom_models(models)
@@ -57,7 +64,7 @@ async def migrate(source: Store, target: Store) -> dict[str, int]:
 
 
 def _replaced_by(document: bytes) -> Callable[[bytes | None], bytes]:
-    """A presets change that writes `document` whatever was there (mypy cannot type the lambda
+    """A document change that writes `document` whatever was there (mypy cannot type the lambda
     with a default argument this was)."""
     def change(_: bytes | None) -> bytes:
         return document

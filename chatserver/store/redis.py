@@ -20,6 +20,8 @@ Layout, all keys under one prefix (`chat:` by default):
 - `running` a hash of the turns running in any process (conv id -> `<owner>:<turn id>`), so the
   process that first sees one whose heartbeat stopped tells its owner's pages it ended.
 - `memory:<owner>`, `models`, and `kv:<key>` (small JSON values for other modules: accounts, sessions).
+- `presets:<owner>`, `projects:<owner>`, `shares:<owner>`: each person's small documents
+  (OWNER_DOCUMENTS), and `share:<share id>` a shared snapshot, read without an owner.
 - `stop:<id>` a pub/sub channel: Stop from any process reaches the process running the turn.
 - `events:<id>` a stream of the running turn's events (ids `0-<seq>`), so a re-attach on any
   process replays and follows them; it expires shortly after the turn's last event.
@@ -72,8 +74,10 @@ from chatserver.conversations.document import (
     valid_id,
 )
 from chatserver.store.files import (
+    OWNER_DOCUMENTS,
     SEALED_LISTS,
     SEGMENT_MESSAGES,
+    SHARE_ID,
     Change,
     LockLost,
     NotFound,
@@ -82,6 +86,8 @@ from chatserver.store.files import (
     TurnBusy,
     TurnLock,
     _check_owner,
+    check_document,
+    check_share_id,
     is_checkpoint,
 )
 from chatserver.upstream.failures import redact_json
@@ -427,7 +433,37 @@ class RedisStore:
         return f"{self.prefix}memory:{owner}"
 
     def presets_key(self, owner: str) -> str:
-        return f"{self.prefix}presets:{owner}"
+        return self.document_key(owner, "presets")
+
+    def document_key(self, owner: str, kind: str) -> str:
+        return f"{self.prefix}{check_document(kind)}:{owner}"
+
+    def share_key(self, share_id: str) -> str:
+        return f"{self.prefix}share:{check_share_id(share_id)}"
+
+    async def read_share(self, share_id: str) -> bytes | None:
+        try:
+            key = self.share_key(share_id)
+        except NotFound:
+            return None
+        with self.reachable():
+            return await self.redis.get(key)
+
+    async def write_share(self, share_id: str, data: bytes) -> None:
+        with self.reachable():
+            await self.redis.set(self.share_key(share_id), data)
+
+    async def delete_share(self, share_id: str) -> None:
+        with self.reachable():
+            await self.redis.delete(self.share_key(share_id))
+
+    async def every_share(self) -> AsyncIterator[tuple[str, bytes]]:
+        start = len(f"{self.prefix}share:")
+        with self.reachable():
+            async for key in self.redis.scan_iter(match=f"{self.prefix}share:*", count=500):
+                share_id = key.decode()[start:]
+                if SHARE_ID.fullmatch(share_id) and (data := await self.redis.get(key)) is not None:
+                    yield share_id, data
 
     @contextmanager
     def reachable(self):
@@ -513,11 +549,12 @@ class RedisStore:
                 continue  # deleted since the scan saw it
 
     async def owners(self) -> set[str]:
-        """Every owner with a conversation index, a memory or presets (for the migration)."""
+        """Every owner with a conversation index, a memory or a document (for the migration)."""
         found = set()
+        documents = tuple((f"{self.prefix}{kind}:*", None) for kind in OWNER_DOCUMENTS)
         with self.reachable():
             for pattern, cut in ((f"{self.prefix}owner:*:conversations", -len(":conversations")),
-                                 (f"{self.prefix}memory:*", None), (f"{self.prefix}presets:*", None)):
+                                 (f"{self.prefix}memory:*", None), *documents):
                 start = len(pattern.split("*")[0])
                 async for key in self.redis.scan_iter(match=pattern, count=500):
                     found.add(key.decode()[start:cut])
@@ -913,12 +950,21 @@ class RedisOwnerStore:
             await self.store.redis.delete(self.store.memory_key(self.owner))
 
     async def read_presets(self) -> bytes | None:
-        with self.store.reachable():
-            return await self.store.redis.get(self.store.presets_key(self.owner))
+        return await self.read_document("presets")
 
     async def update_presets(self, change: Callable[[bytes | None], bytes]) -> None:
+        await self.update_document("presets", change)
+
+    async def forget_presets(self) -> None:
+        await self.forget_document("presets")
+
+    async def read_document(self, kind: str) -> bytes | None:
+        with self.store.reachable():
+            return await self.store.redis.get(self.store.document_key(self.owner, kind))
+
+    async def update_document(self, kind: str, change: Callable[[bytes | None], bytes]) -> None:
         """Optimistic: WATCH the key, compute, write in MULTI; recomputed when another process wrote between."""
-        key = self.store.presets_key(self.owner)
+        key = self.store.document_key(self.owner, kind)
         with self.store.reachable():
             for _ in range(MAX_ATTEMPTS):
                 async with self.store.redis.pipeline(transaction=True) as pipe:
@@ -931,11 +977,11 @@ class RedisOwnerStore:
                         return
                     except WatchError:
                         continue
-        raise StoreUnavailable(f"Redis at {self.store.where}: presets changed {MAX_ATTEMPTS} times under this write")
+        raise StoreUnavailable(f"Redis at {self.store.where}: {kind} changed {MAX_ATTEMPTS} times under this write")
 
-    async def forget_presets(self) -> None:
+    async def forget_document(self, kind: str) -> None:
         with self.store.reachable():
-            await self.store.redis.delete(self.store.presets_key(self.owner))
+            await self.store.redis.delete(self.store.document_key(self.owner, kind))
 
     async def lock_turn(self, conv_id: str) -> FencedTurnLock:
         if not valid_id(conv_id):

@@ -15,7 +15,7 @@ Promises:
 - Folded (or, when the summarizer fails, dropped) messages leave `messages` for the
   conversation's `archive` list: the file keeps them for the person, the prompt never carries
   them. A `notice` message says what happened; it is shown, never sent upstream.
-- `build_prompt` lays out [persona][memory][summary] (cache marker on the last) [date]
+- `build_prompt` lays out [persona][project][memory][summary] (cache marker on the last) [date]
   [tool sentence] + history, most stable first, so a provider's prefix cache keeps hitting.
 
 It knows no wire format and no HTTP: the summarizer is a callable it is given, and the turn
@@ -266,10 +266,18 @@ def message_images(message: dict, image_tokens: Mapping[str, int]) -> int:
     return sum(image_tokens.get(aid, 0) for aid in message.get("attachment_ids") or ())
 
 
+def project_block(instructions: str) -> str:
+    return f"Instructions of the project this conversation belongs to:\n{instructions.strip()}" \
+        if instructions.strip() else ""
+
+
 def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
                  tool_instructions: str | None = None, attachments: str = "",
-                 extras: Mapping[str, list[dict]] | None = None) -> Prompt:
-    """[persona][memory][summary] (marker on the last) [date][tool instructions] + history.
+                 extras: Mapping[str, list[dict]] | None = None, project: str = "") -> Prompt:
+    """[persona][project][memory][summary] (marker on the last) [date][tool instructions] + history.
+
+    `project`: the instructions of the conversation's project; they change as rarely as the
+    persona, so they sit beside it, inside the cached prefix.
 
     Most stable first, so a provider's prefix cache keeps hitting: the date (a date, never a
     time) and the per-turn tool sentence come after the marker. With the rolling history
@@ -278,6 +286,7 @@ def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
     """
     layers = [
         conv["settings"].get("system_prompt", "").strip(),
+        project_block(project),
         memory_block(memory),
         summary_block(conv.get("summary", "")),
     ]
@@ -315,7 +324,7 @@ def _last_measured_reply(messages: list[dict]) -> int | None:
 
 
 def prompt_size(conv: dict, memory: str, settings: Settings,
-                image_tokens: Mapping[str, int] | None = None) -> tuple[int, bool]:
+                image_tokens: Mapping[str, int] | None = None, project: str = "") -> tuple[int, bool]:
     """(tokens the next request's prompt will hold, whether that rests on a measurement).
 
     Measured: `last_prompt_tokens` + the reply it produced (its measured output tokens) + an
@@ -329,7 +338,7 @@ def prompt_size(conv: dict, memory: str, settings: Settings,
     anchor = _last_measured_reply(conv["messages"])
     images = image_tokens or {}
     if measured is None or anchor is None:
-        prompt = build_prompt(conv, memory, settings, today=dt.date.today())
+        prompt = build_prompt(conv, memory, settings, today=dt.date.today(), project=project)
         layers = sum(estimate_tokens(p["text"]) for p in prompt.system)
         return layers + sum(estimate_tokens(m["content"] or "") for m in wire_history(conv["messages"])) + \
             sum(message_images(m, images) for m in conv["messages"] if is_history(m)), False
@@ -339,20 +348,22 @@ def prompt_size(conv: dict, memory: str, settings: Settings,
         sum(message_images(m, images) for m in since if is_history(m)), True
 
 
-def project(conv: dict, memory: str, settings: Settings, image_tokens: Mapping[str, int] | None = None) -> int:
-    """Step 1: the next request's size, completion reserve (MAX_COMPLETION_TOKENS) included."""
-    return prompt_size(conv, memory, settings, image_tokens)[0] + settings.max_completion_tokens
+def project(conv: dict, memory: str, settings: Settings, image_tokens: Mapping[str, int] | None = None,
+            instructions: str = "") -> int:
+    """Step 1: the next request's size, completion reserve (MAX_COMPLETION_TOKENS) included;
+    `instructions`: those of the conversation's project, part of the prompt too."""
+    return prompt_size(conv, memory, settings, image_tokens, instructions)[0] + settings.max_completion_tokens
 
 
 def context_breakdown(conv: dict, memory: str, settings: Settings,
-                      image_tokens: Mapping[str, int] | None = None) -> dict:
+                      image_tokens: Mapping[str, int] | None = None, project: str = "") -> dict:
     """Token counts behind the context bar: the system layers counted, history the rest of the prompt,
     and the completion reserve that the compression trigger counts too. `images` is the estimate
     for the images the prompt carries (part of history)."""
     persona = count_tokens(conv["settings"].get("system_prompt", ""))
     memory_tokens = count_tokens(memory_block(memory))
     summary = count_tokens(summary_block(conv.get("summary", "")))
-    size, measured = prompt_size(conv, memory, settings, image_tokens)
+    size, measured = prompt_size(conv, memory, settings, image_tokens, project)
     images = sum(message_images(m, image_tokens or {}) for m in conv["messages"] if is_history(m))
     return {"budget": budget_of(conv, settings), "persona": persona, "memory": memory_tokens, "summary": summary,
             "history": max(0, size - persona - memory_tokens - summary), "images": images,

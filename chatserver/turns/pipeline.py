@@ -41,6 +41,7 @@ from chatserver.config import ModelInfo, Settings
 from chatserver.conversations import branches, pii
 from chatserver.conversations.document import new_id, now_iso, recover_interrupted
 from chatserver.conversations.presets import PresetNotFound, presets_for
+from chatserver.conversations.projects import Projects
 from chatserver.conversations.usage import add_usage, count_reply
 from chatserver.store.files import Change, NotFound, OwnerStore, StoreUnavailable, TurnLock
 from chatserver.tools import registry as tools
@@ -170,6 +171,8 @@ class Turn:
     # so a turn that fails before any output puts the path back where it was.
     parent_id: str | None = None
     previous_leaf: str | None = None
+    # The conversation's project as the prompt was built (its files are the tools' too).
+    project_id: str | None = None
 
     @property
     def lock(self) -> TurnLock:
@@ -559,7 +562,8 @@ class Turns:
             memory = await turn.store.read_memory()
             vision = await self.sees(turn.model)
             seen = await self.image_tokens(conv, turn.model)
-            if context.project(conv, memory, self.settings, seen) > context.budget_of(conv, self.settings):
+            _, instructions = await Projects(turn.store).instructions_for(conv)
+            if context.project(conv, memory, self.settings, seen, instructions) > context.budget_of(conv, self.settings):
                 await self._opened(turn)  # compression folds the stored messages, the new one included
                 outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
                 if outcome["folded"] or outcome["dropped"]:
@@ -570,12 +574,13 @@ class Turns:
             healed = False
             while True:
                 conv = await turn.store.get(turn.conv_id)
+                turn.project_id, project = await Projects(turn.store).instructions_for(conv)
                 files = await self._attachment_listing(turn, conv)
                 found = await self.conversation_images(turn.conv_id)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
-                                              attachments=files,
+                                              attachments=files, project=project,
                                               extras=await self._image_extras(turn, conv, found, vision))
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
                 try:
@@ -683,11 +688,12 @@ class Turns:
         return warning
 
     def _attachment_scope(self, turn: Turn, conv: dict) -> contextlib.AbstractContextManager:
-        """Whose files the attachment tools see: this conversation's, and the library where enabled."""
+        """Whose files the attachment tools see: this conversation's, its project's (as found when the
+        prompt was built, through the owner's own projects), and the library where enabled."""
         if self.attachments is None:
             return contextlib.nullcontext()
         return attachment_context(self.attachments, turn.conv_id, turn.store.owner,
-                                  library=bool(conv["settings"].get("library")))
+                                  library=bool(conv["settings"].get("library")), project_id=turn.project_id)
 
     async def _attachment_listing(self, turn: Turn, conv: dict) -> str:
         with self._attachment_scope(turn, conv) as scope:
