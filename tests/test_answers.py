@@ -5,6 +5,7 @@ parameters on both wire formats, and Compare."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ from chatserver.config import Settings
 from chatserver.turns.sampling import Sampling
 from chatserver.turns.toolloop import CONTINUE_INSTRUCTION
 from chatserver.upstream import chat
-from gateway_sim.simulator import MESSAGES_PATH, Script, Usage, steps
+from gateway_sim.simulator import MESSAGES_PATH, Script, Usage, errors, steps
 from support import parse_sse
 
 REASONING = "anthropic/claude-sonnet-4.5"
@@ -21,9 +22,18 @@ PLAIN = "openai/gpt-5-mini"
 OTHER = "openai/gpt-5"
 
 
-@pytest.fixture
-def settings(tmp_path, sim) -> Settings:
-    return Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data", upstream_timeout=5)
+_databases = itertools.count(1)
+
+
+@pytest.fixture(params=["files", "redis"])
+def settings(request, tmp_path, sim) -> Settings:
+    """Every test on the file store and on Redis (a real redis-server, its hub mirroring turns)."""
+    store = {}
+    if request.param == "redis":
+        store = {"store": "redis", "redis_url": f"{request.getfixturevalue('redis_server').url[:-2]}/"
+                                                f"{next(_databases) % 16}"}
+    return Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data", upstream_timeout=5,
+                    **store)
 
 
 @pytest.fixture
@@ -333,7 +343,8 @@ async def test_compare_streams_three_replies_and_stop_on_one_leaves_the_others_r
 
 async def _streaming(app, cid: str, ids: list[str]) -> None:
     """Wait (bounded) until the running comparison has sent a delta of each reply."""
-    log = app.state.chat.hub.running(cid).log
+    hub = app.state.chat.hub
+    log = getattr(hub, "local", hub).running(cid).log  # with Redis, the turns of this process
     async with asyncio.timeout(10):
         while not set(ids) <= {data["assistant_message_id"] for name, data in parse_sse(b"".join(log.frames).decode())
                                if name == "delta"}:
@@ -343,3 +354,50 @@ async def _streaming(app, cid: str, ids: list[str]) -> None:
 async def _reply_ids(api, cid: str) -> list[str]:
     """The compared replies' ids, in the order the models were given, from the running turn."""
     return [r["assistant_message_id"] for r in (await api.get(cid))["turn"]["compare"]]
+
+
+async def test_stop_without_a_reply_stops_every_compared_reply(app, api, client, sim, conv):
+    cid = conv["id"]
+    release = threading.Event()
+    for model in MODELS:
+        sim.enqueue_for(model, Script(steps=[steps.Text(f"{model} says "), steps.Hold(release), steps.Text("more")]))
+    try:
+        comparing = asyncio.create_task(post(client, cid, "compare", content="go", models=MODELS))
+        await asyncio.to_thread(sim.wait_for_requests, 3, 10)
+        ids = await _reply_ids(api, cid)
+        await _streaming(app, cid, ids)
+        assert (await client.post(f"/api/conversations/{cid}/stop", json={})).status_code == 204
+        response = await asyncio.wait_for(comparing, 30)
+    finally:
+        release.set()
+    events = parse_sse(response.text)
+    assert {d["assistant_message_id"]: d["status"] for name, d in events if name == "done" and
+            d["assistant_message_id"]} == dict.fromkeys(ids, "interrupted")
+    assert events[-1][0] == "done" and events[-1][1]["status"] == "interrupted"
+    after = await api.get(cid)
+    assert after["streaming"] is False and after["messages"][-1]["status"] == "interrupted"
+
+
+async def test_when_the_first_model_fails_the_first_reply_stored_is_current(api, client, sim, conv):
+    cid = conv["id"]
+    sim.enqueue_for(MODELS[0], errors.openai_model_not_found(MODELS[0]))
+    sim.enqueue_for(MODELS[1], reply("second model's answer"))
+    sim.enqueue_for(MODELS[2], reply("third model's answer"))
+
+    events = parse_sse((await post(client, cid, "compare", content="hello", models=MODELS)).text)
+
+    failed = [d for name, d in events if name == "error"]
+    assert len(failed) == 1 and failed[0]["kind"] == "model_unavailable" and "draft" not in failed[0]
+    statuses = {r["model"]: r["status"] for r in events[-1][1]["compare"]}
+    assert statuses == {MODELS[0]: "failed", MODELS[1]: "saved", MODELS[2]: "saved"}
+    after = await api.get(cid)
+    assert texts(after)[0] == "hello" and texts(after)[1] in ("second model's answer", "third model's answer")
+    assert len(after["branches"][after["messages"][1]["id"]]) == 2
+
+
+async def test_compare_refuses_a_model_outside_the_lineup_or_one_model_and_changes_nothing(api, client, sim, conv):
+    cid = conv["id"]
+    for models in ([PLAIN, "vendor/unknown"], [PLAIN], [PLAIN, PLAIN], [PLAIN, OTHER, MODELS[2], REASONING]):
+        response = await post(client, cid, "compare", content="hi", models=models)
+        assert response.status_code == 422, (models, response.text)
+    assert (await api.get(cid))["messages"] == [] and turns_sent(sim) == []

@@ -91,8 +91,8 @@ def payload(event: TurnEvent) -> dict | None:
         case LaneEvent(assistant_message_id=assistant, event=inner):
             data = payload(inner)
             return None if data is None else {**data, "assistant_message_id": assistant}
-        case CompareDone(replies=replies):
-            return {"assistant_message_id": None, "usage": None, "citations": [], "status": "complete",
+        case CompareDone(replies=replies, status=status):
+            return {"assistant_message_id": None, "usage": None, "citations": [], "status": status,
                     "compare": list(replies)}
     return None
 

@@ -208,6 +208,10 @@ export class SettingsPanel {
     if (chosen) {
       this.fields.system_prompt.value = chosen.text;
       this.fillTools(chosen.tools ?? []);
+      // A preset that carries generation parameters sets them; one without leaves them as they are.
+      for (const [key, value] of Object.entries(chosen.params || {})) {
+        if (this.sampling[key]) this.sampling[key].value = value;
+      }
     }
   }
 

@@ -64,6 +64,7 @@ class Comparison:
         self.claim = claim
         self._scopes = {lane.assistant_id: anyio.CancelScope() for lane in lanes}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._announced: set[str] = set()  # replies whose `done` or `error` went out
 
     @classmethod
     def of(cls, turn: Turn, models: list[str]) -> Comparison:
@@ -117,13 +118,24 @@ class Comparison:
                 if isinstance(item, Turn):
                     running -= 1
                 else:
+                    if item.event.type in ("done", "error"):
+                        self._announced.add(item.assistant_message_id)
                     yield item
             await self._settle_path(turns)
-            yield CompareDone(tuple({"assistant_message_id": t.assistant_id, "model": t.model,
-                                     "status": _status(t)} for t in self.lanes))
+            yield self._done()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop_all()
+
+    def _done(self, status: str = "complete") -> CompareDone:
+        return CompareDone(tuple({"assistant_message_id": t.assistant_id, "model": t.model, "status": _status(t)}
+                                 for t in self.lanes), status)
+
+    async def stopped_events(self) -> list[TurnEvent]:
+        """After Stop cancelled the whole comparison: the `done` of each reply not yet told, then its own."""
+        told = [LaneEvent(t.assistant_id, await self._stopped_done(t)) for t in self.lanes
+                if t.assistant_id not in self._announced]
+        return [*told, self._done("interrupted")]
 
     async def _settle_path(self, turns: Turns) -> None:
         """The first model stored nothing: the first reply that was stored is current; none was: the

@@ -204,6 +204,7 @@ class CompareDone:
     """Every compared reply has ended (each said how in its own `done` or `error`)."""
 
     replies: tuple[dict, ...]  # {"assistant_message_id", "model", "status"}
+    status: str = "complete"  # "interrupted" when Stop ended the comparison
     type: Literal["done"] = "done"
 
 

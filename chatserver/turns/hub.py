@@ -140,7 +140,8 @@ class RunningTurn:
             if not self.finished:
                 # Stopped: the pipeline saved the partial reply on its way out; every follower learns how it ended.
                 with anyio.CancelScope(shield=True):
-                    self._say(await self._stopped_done())
+                    for event in await turn.stopped_events() if compared else [await self._stopped_done()]:
+                        self._say(event)
         finally:
             if checkpoints is not None:
                 checkpoints.cancel()
