@@ -93,7 +93,7 @@ class Lane {
   }
 }
 
-/** Send the composer's text to the chosen models; false (and a word why) when that cannot be. */
+/** Send the composer's text to the chosen models (two or three, else a word why nothing was sent). */
 export async function sendCompared(text) {
   const models = chosenModels();
   if (models.length < 2 || models.length > 3) {
@@ -110,7 +110,41 @@ export async function sendCompared(text) {
   const userEl = renderUser({ content: text });
   place(userEl);
   $("greeting").hidden = true;
+  const shown = showComparison(conv.id, models, userEl);
+  let outcome;
+  try {
+    outcome = await readComparison(shown, await openTurn(conv.id, "compare", body, shown.turn.controller.signal));
+  } catch (err) {
+    if (!(err instanceof ApiError)) throw err;
+    // Refused before anything ran (a model not in the lineup, a turn already running): nothing was saved.
+    shown.row.remove();
+    userEl.remove();
+    returnDraft(conv.id, text);
+    files.restore(conv.id, sentFiles);
+    toast(err.message);
+    outcome = "rejected";
+  }
+  await endComparison(shown, outcome);
+}
 
+/**
+ * Follow a comparison already running on the server (a reload, another tab): its events replayed
+ * from the start into the side-by-side view, in place of the replies read with the conversation.
+ */
+export async function followComparison(conv) {
+  const replies = conv.turn.compare;
+  const userEl = [...document.querySelectorAll("[data-test=message][data-role=user]")].at(-1) || null;
+  for (const reply of replies) document.querySelector(`[data-id="${CSS.escape(reply.assistant_message_id)}"]`)?.remove();
+  const shown = showComparison(conv.id, replies.map((r) => r.model), userEl);
+  const res = await attachTurn(conv.id, 0, shown.turn.controller.signal).catch((err) => {
+    if (err.name !== "AbortError") showError(err);
+    return null;
+  });
+  await endComparison(shown, res ? await readComparison(shown, res) : "ended");
+}
+
+/** The side-by-side view of a comparison, made the turn this page follows. */
+function showComparison(convId, models, userEl) {
   const started = performance.now();
   const lanes = new Map(models.map((model) => [model, new Lane(model, started)]));
   const row = node("div", "compare");
@@ -118,28 +152,30 @@ export async function sendCompared(text) {
   row.dataset.role = "compare";
   row.dataset.status = "streaming";
   row.append(...[...lanes.values()].map((lane) => lane.el));
-  const turn = { convId: conv.id, controller: new AbortController(), view: { el: row }, userEl, sentFiles, compare: true };
-  setTurn(turn);
-  setStreaming(true);
-  place(row);
-  scrollToBottom(true);
-
+  const turn = { convId, controller: new AbortController(), view: { el: row }, userEl, sentFiles: [], compare: true };
   const byId = new Map();
   for (const lane of lanes.values()) {
     lane.stop.addEventListener("click", () => {
       const id = [...byId].find(([, l]) => l === lane)?.[0];
-      if (id) api.stopReply(conv.id, id).catch(showError);
+      if (id) api.stopReply(convId, id).catch(showError);
     });
   }
-  let outcome = "lost";
+  setTurn(turn);
+  setStreaming(true);
+  place(row);
+  scrollToBottom(true);
+  return { convId, turn, row, lanes, byId, userEl };
+}
+
+/** Read a comparison's events into its lanes until its own last event; how it ended. */
+async function readComparison({ convId, turn, row, lanes, byId, userEl }, res) {
+  const reopen = (after) => attachTurn(convId, after, turn.controller.signal);
+  // Each reply ends with its own `done` or `error` (naming it); the comparison's names none.
+  const isLast = (ev) => (ev.event === "done" || ev.event === "error") && !ev.data?.assistant_message_id;
   try {
-    const res = await openTurn(conv.id, "compare", body, turn.controller.signal);
-    const reopen = (after) => attachTurn(conv.id, after, turn.controller.signal);
-    // Each reply ends with its own `done` or `error` (naming it); the comparison's names none.
-    const isLast = (ev) => (ev.event === "done" || ev.event === "error") && !ev.data?.assistant_message_id;
     for await (const { event, data } of followTurn(res, reopen, { isLast })) {
       if (event === "start") {
-        if (data.user_message_id) userEl.dataset.id = data.user_message_id;
+        if (data.user_message_id && userEl) userEl.dataset.id = data.user_message_id;
         row.dataset.id = data.assistant_message_id;
         for (const reply of data.compare || []) {
           const lane = lanes.get(reply.model);
@@ -149,14 +185,9 @@ export async function sendCompared(text) {
         continue;
       }
       const lane = byId.get(data.assistant_message_id);
-      if (event === "done" && !lane) {
-        outcome = "done";
-        break;
-      }
-      if (event === "error" && !lane) {
-        outcome = "error";
-        toast(data.message);
-        break;
+      if (!lane && (event === "done" || event === "error")) {
+        if (event === "error") toast(data.message);
+        return event;
       }
       if (!lane) continue;
       if (event === "done") lane.finish(data.status || "complete", data.usage, data.citations);
@@ -165,21 +196,21 @@ export async function sendCompared(text) {
       else if (event === "warning") lane.view.addWarning(data.message, data.code);
       else if (["reasoning", "search", "fetch", "tool"].includes(event)) lane.view.addActivity(event, data);
     }
+    return "ended";
   } catch (err) {
-    if (err.name === "AbortError") outcome = "aborted";
-    else if (err instanceof ApiError) {
-      // Refused before anything ran (a model not in the lineup, a turn already running): nothing was saved.
-      row.remove();
-      userEl.remove();
-      returnDraft(conv.id, text);
-      files.restore(conv.id, sentFiles);
-      toast(err.message);
-      outcome = "rejected";
-    } else console.error(err);
+    if (err.name === "AbortError") return "aborted";
+    if (err instanceof ApiError) throw err;
+    console.error(err);
+    return "lost";
   }
+}
+
+/** The comparison is over (or this page let go of it): the lanes show how, and one can be chosen. */
+async function endComparison({ convId, turn, row, lanes, byId }, outcome) {
+  if (turn.detached) return; // the page moved on (another conversation): the comparison runs on there
   for (const lane of lanes.values()) if (!lane.ended) lane.finish("interrupted");
   row.dataset.status = "complete";
-  readThrough(conv.id);
+  readThrough(convId);
   if (store.turn === turn) {
     setTurn(null);
     setStreaming(false);
@@ -187,7 +218,7 @@ export async function sendCompared(text) {
   if (outcome === "rejected") return;
   // The conversation is read again without redrawing: the replies stay side by side until one is chosen.
   await refresh({ transcript: false }).catch(showError);
-  if (store.conv?.id !== conv.id) return;
+  if (store.conv?.id !== convId) return;
   offerChoice(byId);
 }
 

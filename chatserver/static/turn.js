@@ -3,7 +3,7 @@
 // transcript by what ended it. The turn itself runs on the server: leaving it only stops the reading.
 
 import { ApiError, api, attachTurn, openTurn } from "./api.js";
-import { comparing, sendCompared } from "./compare.js";
+import { comparing, followComparison, sendCompared } from "./compare.js";
 import { composerText, files, returnDraft, setComposer } from "./composer.js";
 import { isOpening, noteIfLeftEmpty, refresh } from "./conversation.js";
 import { clearFailure, currentFailure, renderFailure, setFailure } from "./failures.js";
@@ -223,6 +223,7 @@ async function joinRunningTurn(turn, text) {
  */
 export async function follow(conv) {
   if (store.turn || store.conv?.id !== conv.id) return;
+  if (conv.turn?.compare) return followComparison(conv);
   const checkpoint = conv.turn?.assistant_message_id;
   const turn = newTurn(conv.id, conv.model);
   const saved = checkpoint && drawnMessage(checkpoint);

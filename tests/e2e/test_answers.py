@@ -34,6 +34,7 @@ def test_regenerate_the_second_of_three_replies_with_another_model_keeps_the_thi
     second = assistant_messages(page).nth(1)
     second.get_by_test_id("regenerate-reply").click()
     second.get_by_test_id("regenerate-model").select_option(OTHER)
+    screenshot(page, "regenerate-picker")
     second.get_by_test_id("regenerate-go").click()
 
     expect(user_messages(page)).to_have_text(["One?", "Two?"])
@@ -149,3 +150,30 @@ def test_compare_shows_three_replies_side_by_side_stop_one_and_choose_one(page, 
     expect(chosen.get_by_test_id("branch-position")).to_have_attribute("data-position", re.compile(r"^[1-3]/3$"))
     conv = server.conversation(conversation_id(page))
     assert [m["content"] for m in conv["messages"]][-1] == "Reply 2 starts. Reply 2 ends."
+
+
+def test_a_reload_during_a_comparison_shows_it_side_by_side_again(page, server, sim):
+    models = ["openai/gpt-5-mini", OTHER]
+    release = threading.Event()
+    for i, model in enumerate(models):
+        sim.enqueue_for(model, Script([steps.Text(f"Lane {i} so far. "), steps.Hold(release, 20),
+                                       steps.Text(f"Lane {i} done.")]))
+    page.get_by_test_id("compare-toggle").click()
+    for model in models:
+        page.get_by_test_id("compare-models").locator(f"input[value='{model}']").check()
+    try:
+        send(page, "Compare after a reload")
+        expect(page.get_by_test_id("compare-lane")).to_have_count(2)
+        expect(page.get_by_test_id("compare-lane").nth(1)).to_contain_text("so far.")
+        page.reload()
+        lanes = [page.locator(f"[data-test=compare-lane][data-model='{model}']") for model in models]
+        for i, lane in enumerate(lanes):
+            expect(lane).to_contain_text(f"Lane {i} so far.")
+        expect(page.get_by_test_id("send")).to_have_text("Stop")
+    finally:
+        release.set()
+    for i, lane in enumerate(lanes):
+        expect(lane).to_contain_text(f"Lane {i} done.")
+    expect(lanes[1].get_by_test_id("compare-choose")).to_be_visible()
+    lanes[1].get_by_test_id("compare-choose").click()
+    expect(assistant_messages(page).last).to_contain_text("Lane 1 so far. Lane 1 done.")
