@@ -165,6 +165,30 @@ async def test_continue_on_messages_prefills_the_saved_text(api, client, sim):
     assert (await api.get(cid))["messages"][-1]["content"] == "The list: one, two, three."
 
 
+async def test_a_stopped_reply_continued_is_one_complete_reply(app, api, client, sim, conv):
+    cid = conv["id"]
+    release = threading.Event()
+    sim.enqueue(Script(steps=[steps.Text("Half of it,"), steps.Hold(release), steps.Text(" never sent")]))
+    try:
+        sending = asyncio.create_task(api.send(cid, "go"))
+        await asyncio.to_thread(sim.wait_for_requests, 1, 10)
+        log = await _log_of(app, cid)
+        async with asyncio.timeout(10):
+            while b"event: delta" not in b"".join(log.frames):
+                await log.wait_past(len(log.frames))
+        assert (await client.post(f"/api/conversations/{cid}/stop", json={})).status_code == 204
+        await sending
+    finally:
+        release.set()
+    stopped = (await api.get(cid))["messages"][-1]
+    assert (stopped["status"], stopped["content"]) == ("interrupted", "Half of it,")
+
+    sim.enqueue(reply(" and the rest."))
+    assert parse_sse((await post(client, cid, "continue", message_id=stopped["id"])).text)[-1][0] == "done"
+    joined = (await api.get(cid))["messages"][-1]
+    assert (joined["id"], joined["status"], joined["content"]) == (stopped["id"], "complete", "Half of it, and the rest.")
+
+
 async def test_only_the_reply_that_ends_the_path_can_be_continued(api, client, sim, conv):
     cid = conv["id"]
     await talk(api, sim, cid, 2)
@@ -343,12 +367,21 @@ async def test_compare_streams_three_replies_and_stop_on_one_leaves_the_others_r
 
 async def _streaming(app, cid: str, ids: list[str]) -> None:
     """Wait (bounded) until the running comparison has sent a delta of each reply."""
-    hub = app.state.chat.hub
-    log = getattr(hub, "local", hub).running(cid).log  # with Redis, the turns of this process
+    log = await _log_of(app, cid)
     async with asyncio.timeout(10):
         while not set(ids) <= {data["assistant_message_id"] for name, data in parse_sse(b"".join(log.frames).decode())
                                if name == "delta"}:
             await log.wait_past(len(log.frames))
+
+
+async def _log_of(app, cid: str):
+    """The event log of the conversation's running turn, once the request has begun it."""
+    hub = app.state.chat.hub
+    hub = getattr(hub, "local", hub)  # with Redis, the turns of this process
+    async with asyncio.timeout(10):
+        while (running := hub.running(cid)) is None:
+            await asyncio.sleep(0)  # the request has not begun its turn yet: let it run
+    return running.log
 
 
 async def _reply_ids(api, cid: str) -> list[str]:

@@ -714,7 +714,9 @@ class Turns:
             messages = c["messages"] if on_path else c.setdefault("off_path", [])
             # The reply's last checkpoint (status "streaming"), or the reply it continues, is replaced:
             # the reply is stored once.
-            at = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["id"] == message["id"]), None)
+            at = len(messages) - 1 if messages and messages[-1]["id"] == message["id"] else None
+            if at is None and turn.continues is not None:  # notices may follow the reply it continues
+                at = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["id"] == message["id"]), None)
             if at is not None:
                 messages[at] = message
             else:
