@@ -1310,6 +1310,20 @@ def run_tool_bench(log) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def run_answers_bench(log) -> dict:
+    """The Compare benchmark (bench/answers_bench.py): three models at once beside one after another."""
+    log("compare benchmark (bench/answers_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "answers_bench.py")], cwd=ROOT, timeout=600, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            log(f"  answers_bench.py exited with {done.returncode}")
+            return {"answers_error": f"answers_bench.py exited with {done.returncode}"}
+    except subprocess.TimeoutExpired:
+        log("  answers_bench.py ran over 600 s and was stopped")
+        return {"answers_error": "answers_bench.py ran over 600 s"}
+    return json.loads((BENCH / "results_answers.json").read_text())
+
+
 def run_attachments_bench(log) -> dict:
     """The attachment benchmark (bench/attachments_bench.py): a 300-page PDF's ingest rate beside the
     raw library's, search over 10,000 passages, and the gaps of 50 streams while that PDF uploads."""
@@ -1399,7 +1413,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3", "images", "vision", "render"],
+                                 "tools", "attachments", "s3", "images", "vision", "render", "answers"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1545,6 +1559,8 @@ def main() -> None:
         results.update(run_tool_bench(log))
     if "attachments" not in args.skip:
         results.update(run_attachments_bench(log))
+    if "answers" not in args.skip:
+        results.update(run_answers_bench(log))
     if "s3" not in args.skip:
         results.update(run_s3_bench(log))
     if "images" not in args.skip:

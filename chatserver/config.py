@@ -283,6 +283,12 @@ class Settings(BaseSettings):
     def gateway_configured(self) -> bool:
         return self.gateway_base_url is not None
 
+    @property
+    def gateway_is_openrouter(self) -> bool:
+        """OpenRouter takes reasoning effort in its own form (`reasoning: {effort}`)."""
+        host = urlsplit(self.gateway_base_url or "").hostname or ""
+        return host == "openrouter.ai" or host.endswith(".openrouter.ai")
+
     def lineup(self) -> list[ModelInfo]:
         """The built-in models from MODELS, in order."""
         reasoning = {m.strip() for m in self.reasoning_models.split(",") if m.strip()}

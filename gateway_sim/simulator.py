@@ -42,7 +42,7 @@ import tiktoken
 import uvicorn
 
 __all__ = [
-    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "ImageOut", "ImageSeen", "Raw",
+    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "Hold", "ImageOut", "ImageSeen", "Raw",
     "Reasoning",
     "RecordedRequest", "Script", "Search", "Sleep", "StreamError", "Text", "ToolCall", "Usage", "cache_account",
     "errors", "estimate_tokens", "steps",
@@ -106,6 +106,15 @@ class Sleep:
     """A pause in the stream (also delays a non-streaming reply)."""
 
     seconds: float
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A pause in the stream until the test sets `release` (a `threading.Event`), at most `timeout`
+    seconds: a reply that is still streaming for exactly as long as a test needs it to be."""
+
+    release: threading.Event
+    timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -214,7 +223,7 @@ class ImageOut:
     media_type: str = "image/png"
 
 
-Step = Text | Reasoning | Sleep | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall | ImageOut
+Step = Text | Reasoning | Sleep | Hold | Raw | Search | Fetch | Cite | Close | StreamError | ToolCall | ImageOut
 
 
 class steps:
@@ -223,6 +232,7 @@ class steps:
     Text = Text
     Reasoning = Reasoning
     Sleep = Sleep
+    Hold = Hold
     Raw = Raw
     Search = Search
     Fetch = Fetch
@@ -902,6 +912,14 @@ def _anthropic_input_usage(usage: Usage) -> dict:
             "cache_read_input_tokens": usage.cached}
 
 
+async def _held(step: Hold) -> None:
+    """Wait for a Hold's release; polled, so a client hanging up cancels the wait at once (a thread
+    blocked on the event could not be cancelled, and would hold the simulator's shutdown up)."""
+    deadline = time.monotonic() + step.timeout
+    while not step.release.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def _pause(seconds: float) -> None:
     if seconds > 0:
         await asyncio.sleep(seconds)
@@ -947,6 +965,8 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                 yield chunk({"images": [{"type": "image_url", "image_url": {"url": url}, "index": 0}]})
             case Sleep():
                 await asyncio.sleep(step.seconds)
+            case Hold():
+                await _held(step)
             case Raw():
                 yield step.data.encode() if isinstance(step.data, str) else step.data
             case Close():
@@ -1112,6 +1132,8 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                     "encrypted_index": base64.b64encode(f"simulated:{step.url}".encode()).decode()}})
             case Sleep():
                 await asyncio.sleep(step.seconds)
+            case Hold():
+                await _held(step)
             case Raw():
                 yield step.data.encode() if isinstance(step.data, str) else step.data
             case Close():
@@ -1482,6 +1504,33 @@ def _validate(path: str, body: object) -> str | None:
                 return "messages: text content blocks must be non-empty"
         if not body.get("stream"):
             return "simulator: /v1/messages is simulated for streaming only; send \"stream\": true"
+        return _messages_sampling(body)
+    return None
+
+
+def _messages_sampling(body: Mapping) -> str | None:
+    """Anthropic's 400s for sampling and prefill that a model would never see (wording as Anthropic's)."""
+    last = body["messages"][-1]
+    content = last.get("content")
+    thinking = body.get("thinking")
+    final_text = content if isinstance(content, str) else \
+        (content[-1].get("text") if isinstance(content, list) and content and isinstance(content[-1], dict) else None)
+    if last.get("role") == "assistant" and isinstance(final_text, str) and final_text != final_text.rstrip():
+        return "final assistant content cannot end with trailing whitespace"
+    temperature = body.get("temperature")
+    if temperature is not None and not (isinstance(temperature, int | float) and 0 <= temperature <= 1):
+        return "temperature: Input should be less than or equal to 1"
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or budget < 1024:
+            return "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"
+        if budget >= body["max_tokens"]:
+            return "`max_tokens` must be greater than `thinking.budget_tokens`"
+        if temperature is not None and temperature != 1:
+            return "`temperature` may only be set to 1 when thinking is enabled."
+        if last.get("role") == "assistant":
+            return "Expected `thinking` or `redacted_thinking`, but found `text`. When `thinking` is enabled, a final " \
+                   "`assistant` message must start with a thinking block."
     return None
 
 
@@ -1608,6 +1657,7 @@ class GatewaySimulator:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._queue: deque[Script] = deque()
+        self._per_model: dict[str, deque[Script]] = {}
         self._forever: tuple[Script, Script | None] | None = None
         self._requests: deque[RecordedRequest] = deque(maxlen=keep_requests)
         self._received = 0  # every request since start or reset, kept or not
@@ -1728,6 +1778,15 @@ class GatewaySimulator:
         with self._lock:
             self._queue.extend(scripts)
 
+    def enqueue_for(self, model: str, *scripts: Script) -> None:
+        """Queue replies for one model: its requests take these first (models asked at once, as Compare
+        asks them, each get their own, whatever order their requests arrive in)."""
+        for script in scripts:
+            if not isinstance(script, Script):
+                raise TypeError(f"enqueue_for takes Script objects, not {script!r}")
+        with self._lock:
+            self._per_model.setdefault(model, deque()).extend(scripts)
+
     def keep_calling(self, calls: Script, answer: Script | None = None) -> None:
         """A model that never stops calling tools: once the queue is empty, every request that offers
         tools gets `calls`; one that offers none (or says tool_choice none) gets `answer` (None: the demo reply)."""
@@ -1779,6 +1838,7 @@ class GatewaySimulator:
         """Forget queued scripts, recorded requests and cache state."""
         with self._lock:
             self._queue.clear()
+            self._per_model.clear()
             self._forever = None
             self._requests.clear()
             self._received = 0
@@ -1821,7 +1881,11 @@ class GatewaySimulator:
                 m.get("role") == "system" and not isinstance(m.get("content"), str) for m in body["messages"]):
             return _error_reply(path, errors.llamacpp_validation_500(body))
         with self._lock:
-            script = self._queue.popleft() if self._queue else None
+            for_model = self._per_model.get(body["model"])
+            if for_model:
+                script = for_model.popleft()
+            else:
+                script = self._queue.popleft() if self._queue else None
             forever = self._forever
         if script is None and forever is not None:
             script = forever[0] if _offers_tools(body) else forever[1]

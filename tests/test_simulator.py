@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import httpx
 import pytest
 
 from gateway_sim.simulator import (
+    CHAT_PATH,
+    MESSAGES_PATH,
     CacheAccount,
     Cite,
     Close,
@@ -916,3 +919,60 @@ def test_the_demo_searches_attached_files_when_the_message_asks_about_them(sim):
     assert json.loads(calls[0]["arguments"]) == {"query": "What does the attached report say about revenue?"}
     unrelated = post(sim, "/v1/chat/completions", {**chat_body("Hello there"), "tools": [SEARCH_FILES_FN]})
     assert tool_deltas(unrelated.text) == [], "a message not about the files is answered without a search"
+
+
+# --- Issue 27: what Continue, parameters and Compare rely on ----------------------------------------
+
+@pytest.mark.parametrize("change, message", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon "}]},
+     "final assistant content cannot end with trailing whitespace"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{"type": "text", "text": "Once upon\n"}]}]},
+     "final assistant content cannot end with trailing whitespace"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 512}}, "greater than or equal to 1024"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "`max_tokens` must be greater"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 4096, "temperature": 0.5},
+     "`temperature` may only be set to 1"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 4096,
+      "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]}, "thinking"),
+])
+def test_messages_refuses_what_anthropic_refuses_in_a_prefill_or_sampling(sim, change, message):
+    response = post(sim, MESSAGES_PATH, {**messages_body(), **change})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"]
+
+
+def test_messages_takes_a_prefill_without_trailing_space_and_a_thinking_budget_under_max_tokens(sim):
+    sim.enqueue(Script([Text(" upon a time.")]))
+    body = {**messages_body(), "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "hi"}]}
+    assert post(sim, MESSAGES_PATH, body).status_code == 200
+    prefill = {**messages_body(), "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]}
+    assert post(sim, MESSAGES_PATH, prefill).status_code == 200
+
+
+def test_scripts_queued_for_a_model_go_to_that_models_requests_whatever_their_order(sim):
+    sim.enqueue(Script([Text("anyone's")]))
+    sim.enqueue_for("sim/b", Script([Text("for b")]))
+    sim.enqueue_for("sim/a", Script([Text("for a")]))
+    texts = {}
+    for model in ("sim/a", "sim/b", "sim/c"):
+        chunks = chat_chunks(post(sim, CHAT_PATH, chat_body(model=model)).text)
+        texts[model] = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                               if isinstance(c, dict) and c.get("choices"))
+    assert texts == {"sim/a": "for a", "sim/b": "for b", "sim/c": "anyone's"}
+
+
+def test_a_held_stream_waits_for_its_release(sim):
+    release = threading.Event()
+    sim.enqueue(Script([Text("before "), steps.Hold(release, 10), Text("after")]))
+    with httpx.stream("POST", sim.base_url + CHAT_PATH, json=chat_body(), timeout=10) as response:
+        seen = ""
+        for chunk in response.iter_text():
+            seen += chunk
+            if "before" in seen and not release.is_set():
+                assert "after" not in seen
+                release.set()
+    assert "after" in seen

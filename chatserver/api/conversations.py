@@ -16,6 +16,8 @@ from chatserver.api.deps import OwnerStoreDep, StateDep
 from chatserver.api.quota import check_conversations
 from chatserver.api.schemas import (
     BranchSwitch,
+    CompareRequest,
+    ContinueRequest,
     Conversation,
     ConversationCreate,
     ConversationEntry,
@@ -25,6 +27,9 @@ from chatserver.api.schemas import (
     FactsReview,
     Message,
     MessageCreate,
+    RegenerateRequest,
+    ReplyEdit,
+    StopRequest,
 )
 from chatserver.api.sse import TurnResponse
 from chatserver.attachments.store import AttachmentNotFound, conversation_scope
@@ -36,9 +41,20 @@ from chatserver.conversations.projects import Projects
 from chatserver.sizes import admin_setting
 from chatserver.store.files import OwnerStore, TurnBusy
 from chatserver.tools import registry as tools
-from chatserver.turns import context
+from chatserver.turns import answers, context, sampling
 from chatserver.turns.claim import Claim
-from chatserver.turns.pipeline import LEAF, NEW_TITLE, ModelNotInLineup, NotAnAnswerPoint, NothingToAnswer, Turn, not_in_lineup
+from chatserver.turns.compare import Comparison
+from chatserver.turns.pipeline import (
+    LEAF,
+    NEW_TITLE,
+    ModelNotInLineup,
+    NotAnAnswerPoint,
+    NotContinuable,
+    NothingToAnswer,
+    Turn,
+    not_in_lineup,
+)
+from chatserver.turns.redis_hub import RunningElsewhere
 
 router = APIRouter(prefix="/api/conversations", tags=["conversations"])
 
@@ -75,6 +91,7 @@ async def default_settings(settings: Settings, preset_name: str | None, store: O
         .replace("{search_max_uses}", str(settings.search_max_uses))
         .replace("{fetch_max_uses}", str(settings.fetch_max_uses)),
         "compression_prompt": context.default_compression_prompt(),
+        **preset.params,
     }
 
 
@@ -110,7 +127,7 @@ async def conversation_out(state, store: OwnerStore, conv: dict, status_code: in
     return json_answer(out, status_code)
 
 
-def turn_response(state, turn: Turn) -> TurnResponse:
+def turn_response(state, turn: Turn | Comparison) -> TurnResponse:
     """The new turn runs in the server's own task; this response follows it from its first event.
 
     With ON_DISCONNECT=stop, the response ending before the turn did (a hang-up, a stalled
@@ -177,6 +194,11 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
     moving = "project_id" in body.model_fields_set
     if moving and body.project_id is not None:
         await Projects(store).get(body.project_id)  # another person's project is 404, like an unknown one
+    if body.settings is not None and body.settings.reasoning_effort is not None:
+        model = body.model or (await store.get(conv_id))["model"]
+        if not await state.turns.is_reasoning(model):
+            return JSONResponse({"detail": f"settings.reasoning_effort: {model!r} is not a reasoning model "
+                                           "(GET /api/models marks those with reasoning: true)"}, status_code=422)
 
     masking = state.settings.pii_masking == "on"
     if masking and body.settings is not None and body.settings.system_prompt is not None:
@@ -196,6 +218,10 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
             conv["settings"].update(body.settings.model_dump(exclude_none=True))
         if moving:
             conv["project_id"] = body.project_id
+            # An explicit null puts a generation parameter back to its default.
+            for key in sampling.KEYS:
+                if key in body.settings.model_fields_set and getattr(body.settings, key) is None:
+                    conv["settings"].pop(key, None)
 
     return await conversation_out(state, store, await store.update(conv_id, apply))
 
@@ -257,14 +283,83 @@ async def send_message(conv_id: str, body: MessageCreate, state: StateDep, store
 
 @router.post("/{conv_id}/regenerate",
              responses={200: {"content": {"text/event-stream": {}}, "description": "the turn stream"}})
-async def regenerate(conv_id: str, state: StateDep, store: OwnerStoreDep, body: Empty | None = None) -> Response:
+async def regenerate(conv_id: str, state: StateDep, store: OwnerStoreDep,
+                     body: RegenerateRequest | None = None) -> Response:
+    """Answer again: a sibling of `message_id` (default: of the answers to the last message typed),
+    what followed it kept on the old branch; `model` writes this answer with another model."""
+    body = body or RegenerateRequest()
     try:
-        turn = await state.turns.begin(store, conv_id, None)
+        turn = await state.turns.begin(store, conv_id, None, answer_to=body.message_id, model=body.model)
     except NothingToAnswer:
+        if body.message_id is not None:
+            return JSONResponse({"detail": "message_id: not an assistant message of the current path"},
+                                status_code=422)
         raise Conflict("there is no message to answer again") from None
     except ModelNotInLineup as exc:
         return JSONResponse({"detail": exc.detail}, status_code=422)
     return turn_response(state, turn)
+
+
+@router.post("/{conv_id}/continue",
+             responses={200: {"content": {"text/event-stream": {}}, "description": "the turn stream"}})
+async def continue_reply(conv_id: str, state: StateDep, store: OwnerStoreDep,
+                         body: ContinueRequest | None = None) -> Response:
+    """Go on from the path's last reply (interrupted or cut at the output limit): one reply, two parts."""
+    body = body or ContinueRequest()
+    try:
+        turn = await state.turns.resume(store, conv_id, body.message_id)
+    except NotContinuable:
+        return JSONResponse({"detail": "message_id: only the reply that ends the current path can be continued"},
+                            status_code=422)
+    except ModelNotInLineup as exc:
+        return JSONResponse({"detail": exc.detail}, status_code=422)
+    return turn_response(state, turn)
+
+
+@router.post("/{conv_id}/messages/{message_id}/edit", response_model=Conversation)
+async def edit_reply(conv_id: str, message_id: str, body: ReplyEdit, state: StateDep,
+                     store: OwnerStoreDep) -> Response:
+    """Replace an assistant message of the current path with the person's text: a sibling marked
+    `edited`, made current (what followed the original stays on the old branch)."""
+    content = pii.mask(body.content)[0] if state.settings.pii_masking == "on" else body.content
+    async with await Claim.take(store, conv_id) as claim:  # TurnBusy (409) while a turn runs
+        conv = await store.get(conv_id)
+        original = next((m for m, _ in branches.linked(branches.path_items(conv)) if m["id"] == message_id), None)
+        if original is None or original["role"] != "assistant":
+            return JSONResponse({"detail": "no assistant message with that id on the current path"}, status_code=404)
+        edited = answers.edited_reply(original, content, branches.parents(conv)[message_id])
+        conv = await store.update(conv_id, lambda c: answers.put_edited(c, edited), lock=claim.lock)
+    return await conversation_out(state, store, conv)
+
+
+@router.post("/{conv_id}/compare",
+             responses={200: {"content": {"text/event-stream": {}}, "description": "the replies' streams, merged"}})
+async def compare(conv_id: str, body: CompareRequest, state: StateDep, store: OwnerStoreDep) -> Response:
+    """One message answered by two or three models at once, each reply a sibling of the others."""
+    if len(body.content) > state.settings.max_message_chars:
+        return JSONResponse(
+            {"detail": f"the message is over {state.settings.max_message_chars} characters"}, status_code=422)
+    for model in body.models:
+        if not await state.turns.in_lineup(model):
+            return JSONResponse({"detail": f"models: {not_in_lineup(model)}"}, status_code=422)
+    ids = body.attachment_ids or []
+    if ids:
+        await store.get(conv_id)
+        try:
+            ids = await state.attachments.check_ids(conversation_scope(conv_id), list(dict.fromkeys(ids)))
+        except AttachmentNotFound:
+            return JSONResponse({"detail": "attachment_ids: not every id names a file of this conversation"},
+                                status_code=422)
+    parent = body.parent_id if "parent_id" in body.model_fields_set else LEAF
+    try:
+        turn = await state.turns.begin(store, conv_id, body.content, parent, attachment_ids=ids,
+                                       model=body.models[0])
+    except NotAnAnswerPoint:
+        return JSONResponse({"detail": "parent_id: not a point of the current path to answer from"},
+                            status_code=422)
+    except ModelNotInLineup as exc:
+        return JSONResponse({"detail": exc.detail}, status_code=422)
+    return turn_response(state, Comparison.of(turn, body.models))
 
 
 @router.post("/{conv_id}/branch", response_model=Conversation)
@@ -300,10 +395,19 @@ async def follow_turn(conv_id: str, request: Request, state: StateDep, store: Ow
 
 
 @router.post("/{conv_id}/stop", status_code=204)
-async def stop_turn(conv_id: str, state: StateDep, store: OwnerStoreDep, body: Empty | None = None) -> Response:
-    """Stop the running turn (closing its upstream call) and answer once its partial reply is saved."""
+async def stop_turn(conv_id: str, state: StateDep, store: OwnerStoreDep,
+                    body: StopRequest | None = None) -> Response:
+    """Stop the running turn (closing its upstream call) and answer once its partial reply is saved;
+    `assistant_message_id` stops only that reply of a comparison."""
     await store.get(conv_id)
-    await state.hub.stop(conv_id)
+    if body is not None and body.assistant_message_id is not None:
+        try:
+            await state.hub.stop_reply(conv_id, body.assistant_message_id)
+        except RunningElsewhere:
+            raise Conflict("this comparison runs on another server process, which alone can stop one of its "
+                           "replies; Stop without assistant_message_id stops them all") from None
+    else:
+        await state.hub.stop(conv_id)
     return Response(status_code=204)
 
 

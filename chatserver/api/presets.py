@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatserver.api.deps import OwnerStoreDep
+from chatserver.api.schemas import SamplingFields
 from chatserver.conversations.presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets, presets_for
 from chatserver.tools import registry as tools
 
@@ -29,6 +30,7 @@ class PresetIn(BaseModel):
     text: str = Field(min_length=1, max_length=TEXT_MAX_CHARS)
     tools: list[str] = Field(default_factory=list, max_length=64)
     model: str | None = Field(default=None, min_length=1, max_length=MODEL_MAX_CHARS)
+    params: SamplingFields | None = None  # generation parameters its conversations start with
 
 
 async def get_presets(store: OwnerStoreDep) -> Presets:
@@ -46,6 +48,10 @@ async def get_registry() -> tools.Registry:
 RegistryDep = Annotated[tools.Registry, Depends(get_registry)]
 
 
+def _params(body: PresetIn) -> dict:
+    return body.params.model_dump(exclude_none=True) if body.params is not None else {}
+
+
 def _answer(exc: PresetError) -> HTTPException:
     return HTTPException(status_code=exc.status, detail=str(exc))
 
@@ -61,7 +67,7 @@ async def list_presets(presets: PresetsDep) -> list[dict]:
 @router.post("/api/presets", status_code=201)
 async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
     try:
-        return (await presets.create(body.name, body.text, body.tools, body.model)).out()
+        return (await presets.create(body.name, body.text, body.tools, body.model, _params(body))).out()
     except PresetError as exc:
         raise _answer(exc) from None
 
@@ -69,7 +75,7 @@ async def create_preset(body: PresetIn, presets: PresetsDep) -> dict:
 @router.put("/api/presets/{name}")
 async def replace_preset(name: str, body: PresetIn, presets: PresetsDep) -> dict:
     try:
-        return (await presets.update(name, body.name, body.text, body.tools, body.model)).out()
+        return (await presets.update(name, body.name, body.text, body.tools, body.model, _params(body))).out()
     except PresetError as exc:
         raise _answer(exc) from None
 

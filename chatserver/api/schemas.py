@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 from typing_extensions import NotRequired, TypedDict
 
 Tier = Literal["fast", "balanced", "frontier"]
@@ -70,6 +80,10 @@ class Message(TypedDict):
     warnings: NotRequired[list[ReplyWarning]]
     error: NotRequired[str]
     compression: NotRequired[dict[str, Any]]
+    params: NotRequired[dict[str, Any]]  # the generation parameters that were not the defaults
+    continued: NotRequired[int]  # how many times Continue carried it on
+    edited: NotRequired[bool]  # written by the person (an edit of `edited_from`)
+    edited_from: NotRequired[str]
 
 
 class Totals(TypedDict):
@@ -208,7 +222,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SettingsPatch(Strict):
+class SamplingFields(Strict):
+    """Generation parameters (a conversation's settings, a preset's `params`); null: the default."""
+
+    temperature: StrictFloat | StrictInt | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | StrictInt | None = Field(None, gt=0, le=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=128_000)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+
+class SettingsPatch(SamplingFields):
     preset: StrictStr | None = Field(None, max_length=100)
     system_prompt: StrictStr | None = Field(None, max_length=100_000)
     context_budget: StrictInt | None = Field(None, gt=0, le=10_000_000)
@@ -296,6 +319,43 @@ class MessageCreate(Strict):
         if not value.strip():
             raise ValueError("the message is empty")
         return value
+
+
+class RegenerateRequest(Strict):
+    # The assistant message of the current path to answer again (absent: the answers to the last message typed).
+    message_id: StrictStr | None = Field(None, min_length=1, max_length=64)
+    model: ModelId | None = None  # answer with this model instead of the conversation's
+
+
+class ContinueRequest(Strict):
+    message_id: StrictStr | None = Field(None, min_length=1, max_length=64)
+
+
+class ReplyEdit(Strict):
+    content: StrictStr = Field(min_length=1, max_length=1_000_000, json_schema_extra={"pattern": r"\S"})
+
+    @field_validator("content")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the reply is empty")
+        return value
+
+
+class CompareRequest(MessageCreate):
+    models: list[ModelId] = Field(min_length=2, max_length=3)
+
+    @field_validator("models")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("each model may be compared once")
+        return value
+
+
+class StopRequest(Strict):
+    # Stop only this reply of a comparison (absent: the whole turn).
+    assistant_message_id: StrictStr | None = Field(None, min_length=1, max_length=64)
 
 
 class Empty(Strict):

@@ -15,9 +15,12 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 
 from chatserver.turns.events import (
+    CompareDone,
+    CompareStarted,
     Compressed,
     FetchDone,
     ImageAttached,
+    LaneEvent,
     ReasoningDelta,
     SearchResults,
     SearchStarted,
@@ -82,7 +85,23 @@ def payload(event: TurnEvent) -> dict | None:
         case TurnDone():
             return {"assistant_message_id": event.assistant_message_id, "usage": event.usage,
                     "citations": event.citations, "status": event.status}
+        case CompareStarted(user_message_id=user, replies=replies, masked=masked):
+            data = {"user_message_id": user, "assistant_message_id": replies[0]["assistant_message_id"],
+                    "model": replies[0]["model"], "compare": list(replies)}
+            if masked is not None:
+                data["masked"] = masked
+            return data
+        case LaneEvent(assistant_message_id=assistant, event=inner):
+            data = payload(inner)
+            return None if data is None else {**data, "assistant_message_id": assistant}
+        case CompareDone(replies=replies, status=status):
+            return {"assistant_message_id": None, "usage": None, "citations": [], "status": status,
+                    "compare": list(replies)}
     return None
+
+
+def name_of(event: TurnEvent) -> str:
+    return NAMES[event.event.type] if isinstance(event, LaneEvent) else NAMES[event.type]
 
 
 NAMES = {"delta": "delta", "reasoning": "reasoning", "search_started": "search", "search_results": "search",
@@ -93,7 +112,7 @@ NAMES = {"delta": "delta", "reasoning": "reasoning", "search_started": "search",
 def encode(event: TurnEvent, seq: int | None = None) -> bytes | None:
     """The SSE frame the page sees for one event (numbered `seq` within its turn), if any."""
     data = payload(event)
-    return None if data is None else frame(NAMES[event.type], data, seq)
+    return None if data is None else frame(name_of(event), data, seq)
 
 
 class TurnResponse(EventSourceResponse):

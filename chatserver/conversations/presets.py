@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -26,6 +26,7 @@ import orjson
 from chatserver.config import PACKAGE
 from chatserver.store.files import OwnerStore, read_small_file
 from chatserver.tools import registry as tools
+from chatserver.turns import sampling
 
 log = logging.getLogger("chat.presets")
 
@@ -72,12 +73,16 @@ class Preset:
     tools: tuple[str, ...]
     model: str | None
     builtin: bool
+    # Generation parameters a conversation started from it takes (`turns.sampling.KEYS`).
+    params: dict = field(default_factory=dict)
 
     def out(self) -> dict:
         """The `GET /api/presets` entry."""
         entry = {"name": self.name, "text": self.text, "tools": list(self.tools), "builtin": self.builtin}
         if self.model:
             entry["model"] = self.model
+        if self.params:
+            entry["params"] = dict(self.params)
         return entry
 
 
@@ -104,11 +109,12 @@ class Presets:
         for path in sorted(self.builtin_dir.glob("*.txt")):
             extra = sidecar.get(path.stem, {})
             out.append(Preset(path.stem, read_small_file(path).decode("utf-8").strip(),
-                              self._known(extra.get("tools", [])), extra.get("model") or None, True))
+                              self._known(extra.get("tools", [])), extra.get("model") or None, True,
+                              _params(extra.get("params"))))
         return out
 
     async def custom(self) -> list[Preset]:
-        return [Preset(p["name"], p["text"], self._known(p["tools"]), p.get("model"), False)
+        return [Preset(p["name"], p["text"], self._known(p["tools"]), p.get("model"), False, _params(p.get("params")))
                 for p in _parse(await self.store.read_presets())]
 
     async def entries(self) -> list[Preset]:
@@ -126,8 +132,9 @@ class Presets:
 
     # Writing
 
-    async def create(self, name: str, text: str, tools: Iterable[str], model: str | None = None) -> Preset:
-        preset = self._valid(name, text, tools, model)
+    async def create(self, name: str, text: str, tools: Iterable[str], model: str | None = None,
+                     params: dict | None = None) -> Preset:
+        preset = self._valid(name, text, tools, model, params)
         if self._builtin_named(name):
             raise BuiltinPreset(f"{name!r} is a built-in preset; built-in presets cannot be changed")
 
@@ -140,9 +147,9 @@ class Presets:
         return preset
 
     async def update(self, name: str, new_name: str, text: str, tools: Iterable[str],
-                     model: str | None = None) -> Preset:
+                     model: str | None = None, params: dict | None = None) -> Preset:
         """Replace a custom preset (and rename it when `new_name` differs)."""
-        preset = self._valid(new_name, text, tools, model)
+        preset = self._valid(new_name, text, tools, model, params)
         if self._builtin_named(name) or self._builtin_named(new_name):
             raise BuiltinPreset("built-in presets cannot be changed; save a copy under a new name")
 
@@ -185,7 +192,8 @@ class Presets:
     def _builtin_named(self, name: str) -> bool:
         return any(p.stem.casefold() == name.casefold() for p in self.builtin_dir.glob("*.txt"))
 
-    def _valid(self, name: str, text: str, tools: Iterable[str], model: str | None) -> Preset:
+    def _valid(self, name: str, text: str, tools: Iterable[str], model: str | None,
+               params: dict | None = None) -> Preset:
         if not isinstance(name, str) or not _NAME.fullmatch(name) or name != name.strip():
             raise InvalidPreset("a preset name is 1-64 letters, digits, spaces, '_' or '-', "
                                 "not starting or ending with a space")
@@ -200,7 +208,7 @@ class Presets:
         model = model.strip() if model else None
         if model and len(model) > MODEL_MAX_CHARS:
             raise InvalidPreset(f"the model id is over {MODEL_MAX_CHARS} characters")
-        return Preset(name, text.strip(), names, model or None, False)
+        return Preset(name, text.strip(), names, model or None, False, _params(params))
 
 
 
@@ -225,7 +233,14 @@ def _stored(preset: Preset) -> dict:
     entry = {"name": preset.name, "text": preset.text, "tools": list(preset.tools)}
     if preset.model:
         entry["model"] = preset.model
+    if preset.params:
+        entry["params"] = dict(preset.params)
     return entry
+
+
+def _params(value: object) -> dict:
+    """A preset's generation parameters: the known keys that are set (the route checked their values)."""
+    return {k: v for k, v in value.items() if k in sampling.KEYS and v is not None} if isinstance(value, dict) else {}
 
 
 def _read_sidecar(path: Path) -> dict[str, dict]:

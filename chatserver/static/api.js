@@ -86,6 +86,9 @@ export const api = {
   patchConversation: (id, patch) => request("PATCH", conv(id), patch),
   deleteConversation: (id) => request("DELETE", conv(id)),
   stop: (id) => request("POST", `${conv(id)}/stop`, {}),
+  stopReply: (id, assistantId) => request("POST", `${conv(id)}/stop`, { assistant_message_id: assistantId }),
+  editReply: (id, messageId, content) =>
+    request("POST", `${conv(id)}/messages/${encodeURIComponent(messageId)}/edit`, { content }),
   branch: (id, messageId) => request("POST", `${conv(id)}/branch`, { message_id: messageId }),
   rewind: (id) => request("POST", `${conv(id)}/rewind`, {}, { retryBusy: true }),
   compress: (id) => request("POST", `${conv(id)}/compress`, {}, { retryBusy: true }),
@@ -175,7 +178,7 @@ export async function attachTurn(id, after, signal) {
 }
 
 /**
- * Open a turn stream (`messages` or `regenerate`) and return the Response for sse.js. A 409 (a
+ * Open a turn stream (`messages`, `regenerate`, `continue` or `compare`) and return the Response for sse.js. A 409 (a
  * turn already runs) is not retried: the page shows that turn instead.
  */
 export async function openTurn(id, kind, body, signal) {

@@ -6,6 +6,7 @@
 import { citationOf } from "./activity.js";
 import { api, upload } from "./api.js";
 import { startAuth } from "./auth.js";
+import { wireCompare } from "./compare.js";
 import { files, focusComposer, wireComposer } from "./composer.js";
 import {
   followAddress, hashId, newConversation, onConversation, onDeleted, openAt, openConversation, openLatest,
@@ -127,6 +128,7 @@ function dismissBanner() {
 
 function wire() {
   wireComposer();
+  wireCompare();
   wireHeader();
   wireList();
   wireProjects();

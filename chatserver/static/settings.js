@@ -27,6 +27,13 @@ export class SettingsPanel {
       tool_instructions: $("set-tool-instructions"),
       compression_prompt: $("set-compression-prompt"),
     };
+    // Generation parameters: empty means the default, and is sent as null (which clears one that was set).
+    this.sampling = {
+      temperature: $("set-temperature"),
+      top_p: $("set-top-p"),
+      max_tokens: $("set-max-tokens"),
+      reasoning_effort: $("set-reasoning-effort"),
+    };
     this.memory = $("memory-editor");
     this.tools = $("set-tools-list");
     this.presetEditor = new PresetEditor({
@@ -122,6 +129,14 @@ export class SettingsPanel {
     this.fields.tool_instructions.value = s.tool_instructions ?? "";
     this.fields.compression_prompt.value = s.compression_prompt ?? "";
     for (const field of Object.values(this.fields)) field.disabled = !conv;
+    for (const [key, field] of Object.entries(this.sampling)) {
+      field.value = s[key] ?? "";
+      field.disabled = !conv;
+    }
+    // Reasoning effort is sent to reasoning models only: the choice shows only for them.
+    const thinks = !!(conv && this.app.models()?.tiers?.some((t) => t.models.some((m) => m.id === conv.model && m.reasoning)));
+    this.sampling.reasoning_effort.hidden = !thinks;
+    $("set-reasoning-effort-label").hidden = !thinks;
     this.fillTools(s.tools ?? this.allowedTools());
   }
 
@@ -193,6 +208,10 @@ export class SettingsPanel {
     if (chosen) {
       this.fields.system_prompt.value = chosen.text;
       this.fillTools(chosen.tools ?? []);
+      // A preset that carries generation parameters sets them; one without leaves them as they are.
+      for (const [key, value] of Object.entries(chosen.params || {})) {
+        if (this.sampling[key]) this.sampling[key].value = value;
+      }
     }
   }
 
@@ -212,11 +231,18 @@ export class SettingsPanel {
       tool_instructions: f.tool_instructions.value,
       compression_prompt: f.compression_prompt.value,
     };
-    return Object.fromEntries(
+    const changed = Object.fromEntries(
       // A switch the conversation does not carry yet reads as off.
       Object.entries(next).filter(([key, value]) =>
         value !== (typeof value === "boolean" ? !!current[key] : current[key] ?? "")),
     );
+    for (const [key, field] of Object.entries(this.sampling)) {
+      const text = field.value.trim();
+      if (text === String(current[key] ?? "")) continue;
+      // A number as a number; anything else as typed, so the server's 422 names what is wrong.
+      changed[key] = text === "" ? null : key !== "reasoning_effort" && /^-?\d*\.?\d+$/.test(text) ? Number(text) : text;
+    }
+    return changed;
   }
 
   /**

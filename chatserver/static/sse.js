@@ -82,6 +82,8 @@ function parse(ev) {
   }
 }
 
+const endsATurn = (ev) => ev.event === "done" || ev.event === "error";
+
 /**
  * Follow one turn to its end across network blips, as EventSource would: yield its events from
  * `response`; when the stream breaks before `done` or `error`, call `reopen(lastId)` (a Response
@@ -89,9 +91,10 @@ function parse(ev) {
  * text is lost and none repeats. `lastId` is the last `id` seen on this stream, reset by `start`
  * (a turn numbers its events from 1). Returns without `done`/`error` when `reopen` gives null;
  * throws the last failure after `attempts` reopenings in a row that brought nothing; an abort
- * (AbortError) is thrown at once.
+ * (AbortError) is thrown at once. `isLast(ev)` says which event ends the turn (a comparison's
+ * replies each end with their own `done` before the comparison's).
  */
-export async function* followTurn(response, reopen, { lastId = 0, attempts = 5, pauseMs = 300 } = {}) {
+export async function* followTurn(response, reopen, { lastId = 0, attempts = 5, pauseMs = 300, isLast = endsATurn } = {}) {
   let failures = 0;
   let failure = null;
   for (;;) {
@@ -104,7 +107,7 @@ export async function* followTurn(response, reopen, { lastId = 0, attempts = 5, 
           if (ev.id !== "" && Number.isInteger(id)) lastId = id;
           failures = 0;
           yield ev;
-          if (ev.event === "done" || ev.event === "error") return;
+          if (isLast(ev)) return;
         }
       } catch (err) {
         if (err.name === "AbortError") throw err;

@@ -8,7 +8,7 @@ import { files } from "./composer.js";
 import { clearFailure, failureOffersTheWayBack, renderFailure } from "./failures.js";
 import { $, showError } from "./page.js";
 import { isReasoning, setOpen, store } from "./store.js";
-import { regenerate, runTurn } from "./turn.js";
+import { continueReply, regenerate, regenerateReply, runTurn } from "./turn.js";
 import { button, node } from "./ui.js";
 import { copyText, renderArchive, renderMessage, renderUser } from "./views.js";
 
@@ -71,8 +71,98 @@ function decorate(m, message) {
     actions.append(edit);
     message.append(actions);
   }
+  if (m.role === "assistant" && m.status !== "streaming") actions.append(...replyActions(m, message, busy));
   if (switcher) actions.prepend(switcher);
   return message;
+}
+
+/**
+ * What any saved reply offers: Regenerate it (with a model to choose), Edit it (the person's
+ * version becomes a sibling used from then on), and, on the reply that ends the path when it was
+ * interrupted or cut at the output limit, Continue.
+ */
+function replyActions(m, article, busy) {
+  const out = [];
+  const again = button("Regenerate…", { onClick: () => pickModel(m, article) });
+  again.dataset.test = "regenerate-reply";
+  again.title = "Answer this message again, with this or another model (this reply and what followed it are kept)";
+  const edit = button("Edit", { onClick: () => editReply(m, article) });
+  edit.dataset.test = "edit-reply";
+  edit.title = "Write this reply your way: the model reads your version from now on (the original is kept)";
+  out.push(again, edit);
+  const cut = m.status === "interrupted" || (m.warnings || []).some((w) => w.code === "max_tokens");
+  if (cut && m.content && endsThePath(m.id)) {
+    const more = button("Continue", { onClick: () => continueReply(m).catch(showError) });
+    more.dataset.test = "continue-reply";
+    more.title = "Ask the model to go on from where this reply stopped";
+    out.push(more);
+  }
+  for (const b of out) b.disabled = busy;
+  return out;
+}
+
+function endsThePath(id) {
+  const nodes = (store.conv?.messages || []).filter((m) => m.role !== "notice");
+  return nodes.at(-1)?.id === id;
+}
+
+/** The inline choice of the model that answers again (the conversation's is preselected). */
+function pickModel(m, article) {
+  if (store.turn || article.querySelector(".reply-tool")) return;
+  const row = node("div", "reply-tool");
+  row.dataset.test = "regenerate-picker";
+  const select = document.createElement("select");
+  select.dataset.test = "regenerate-model";
+  select.setAttribute("aria-label", "Model to answer with");
+  const ids = (store.models?.tiers || []).flatMap((t) => t.models.map((model) => model.id));
+  select.replaceChildren(...ids.map((id) => new Option(id, id, false, id === store.conv?.model)));
+  const go = button("Regenerate", { className: "primary small" });
+  go.dataset.test = "regenerate-go";
+  const cancel = button("Cancel");
+  row.append(select, go, cancel);
+  article.append(row);
+  cancel.addEventListener("click", () => row.remove());
+  go.addEventListener("click", () => regenerateReply(m.id, select.value).catch(showError));
+  select.focus();
+}
+
+/** Edit a reply in place; saving stores the person's version beside the model's and makes it current. */
+function editReply(m, article) {
+  if (store.turn || article.querySelector(".edit-box")) return;
+  const box = node("div", "edit-box");
+  const input = document.createElement("textarea");
+  input.className = "edit-input";
+  input.dataset.test = "edit-reply-input";
+  input.setAttribute("aria-label", "Edit the reply");
+  input.value = m.content || "";
+  input.rows = Math.min(16, Math.max(3, input.value.split("\n").length));
+  const cancel = button("Cancel");
+  const save = button("Save", { className: "primary small" });
+  save.dataset.test = "edit-reply-save";
+  const row = node("div", "edit-actions");
+  row.append(cancel, save);
+  box.append(input, row);
+  const hidden = [...article.children];
+  for (const child of hidden) child.hidden = true;
+  article.append(box);
+  cancel.addEventListener("click", () => {
+    box.remove();
+    for (const child of hidden) child.hidden = false;
+  });
+  save.addEventListener("click", async () => {
+    if (!input.value.trim() || store.turn || !store.conv) return;
+    save.disabled = true;
+    try {
+      const conv = await api.editReply(store.conv.id, m.id, input.value);
+      if (store.conv?.id !== conv.id) return;
+      setOpen(conv);
+      renderTranscript();
+    } catch (err) {
+      save.disabled = false;
+      showError(err);
+    }
+  });
+  input.focus();
 }
 
 /** Make the path through `messageId` the current one (the server answers the Conversation). */

@@ -3,6 +3,7 @@
 // transcript by what ended it. The turn itself runs on the server: leaving it only stops the reading.
 
 import { ApiError, api, attachTurn, openTurn } from "./api.js";
+import { comparing, followComparison, sendCompared } from "./compare.js";
 import { composerText, files, returnDraft, setComposer } from "./composer.js";
 import { isOpening, noteIfLeftEmpty, refresh } from "./conversation.js";
 import { clearFailure, currentFailure, renderFailure, setFailure } from "./failures.js";
@@ -36,6 +37,7 @@ export async function send() {
     toast(`Not sent: ${names} could not be attached (${failed[0].error}). Remove its chip (✕) to send without it, or attach it again.`);
     return;
   }
+  if (comparing()) return sendCompared(text);
   clearFailure();
   setComposer("");
   const sentFiles = files.ready();
@@ -57,6 +59,37 @@ export async function regenerate() {
   const last = lastDrawn();
   if (last?.dataset.role === "assistant") last.remove();
   await runTurn("regenerate", {}, {});
+}
+
+/**
+ * Answer again in place of the reply `messageId` (any reply of the path), with `model` or the
+ * conversation's: the server keeps the old reply and what followed it on another branch, so the
+ * transcript from that reply on gives way to the new one.
+ */
+export async function regenerateReply(messageId, model) {
+  if (store.turn || !store.conv) return;
+  clearFailure();
+  cutFrom(messageId);
+  const body = { message_id: messageId };
+  if (model && model !== store.conv.model) body.model = model;
+  await runTurn("regenerate", body, { model: body.model });
+}
+
+/** Go on from the last reply (interrupted or cut at the output limit): the new text joins it as it streams. */
+export async function continueReply(m) {
+  if (store.turn || !store.conv) return;
+  clearFailure();
+  cutFrom(m.id);
+  await runTurn("continue", { message_id: m.id }, { model: m.model, prefix: m.content || "" });
+}
+
+/** Take a message and everything after it off the transcript (a new version is coming). */
+function cutFrom(messageId) {
+  for (let n = drawnMessage(messageId); n; ) {
+    const next = n.nextElementSibling;
+    n.remove();
+    n = next;
+  }
 }
 
 /**
@@ -88,6 +121,11 @@ export async function stop() {
   }, 3000);
 }
 
+/** This page read the turn on `convId` to its end: the server's "ended" for it is no news. */
+export function readThrough(convId) {
+  readToEnd = convId;
+}
+
 /** Stop following the turn in this page (the reply goes on on the server). */
 export function detach() {
   const turn = store.turn;
@@ -113,7 +151,7 @@ export function onTurn({ id, state: phase }) {
     .catch(showError);
 }
 
-function setStreaming(streaming) {
+export function setStreaming(streaming) {
   sendButton.textContent = streaming ? "Stop" : "Send";
   sendButton.setAttribute("aria-label", streaming ? "Stop" : "Send");
   sendButton.classList.toggle("stop", streaming);
@@ -131,10 +169,14 @@ function newTurn(convId, model, { userEl = null, sentFiles = [] } = {}) {
   return turn;
 }
 
-/** Run one turn stream to its end, then settle the transcript by what ended it. */
-export async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [] }) {
+/**
+ * Run one turn stream to its end, then settle the transcript by what ended it. `model`: the one
+ * answering when it is not the conversation's; `prefix`: the text a continued reply already has.
+ */
+export async function runTurn(kind, body, { userEl = null, text = null, sentFiles = [], model = null, prefix = "" }) {
   const conv = store.conv;
-  const turn = newTurn(conv.id, conv.model, { userEl, sentFiles });
+  const turn = newTurn(conv.id, model || conv.model, { userEl, sentFiles });
+  if (prefix) turn.view.addText(prefix);
   place(turn.view.el);
   scrollToBottom(true);
   let outcome;
@@ -181,6 +223,7 @@ async function joinRunningTurn(turn, text) {
  */
 export async function follow(conv) {
   if (store.turn || store.conv?.id !== conv.id) return;
+  if (conv.turn?.compare) return followComparison(conv);
   const checkpoint = conv.turn?.assistant_message_id;
   const turn = newTurn(conv.id, conv.model);
   const saved = checkpoint && drawnMessage(checkpoint);
@@ -200,7 +243,7 @@ export async function follow(conv) {
 }
 
 /** Read a turn's events into the page until `done` or `error`, reconnecting after a blip. */
-async function readTurn(turn, res, lastId) {
+export async function readTurn(turn, res, lastId) {
   const reopen = (after) => attachTurn(turn.convId, after, turn.controller.signal);
   for await (const { event, data } of followTurn(res, reopen, { lastId })) {
     if (event === "delta") {
@@ -241,7 +284,7 @@ function drawText(turn) {
   else updateJump();
 }
 
-async function endTurn(turn, outcome, text) {
+export async function endTurn(turn, outcome, text) {
   if (turn.detached) return;
   readToEnd = turn.convId;
   if (store.turn === turn) {
@@ -251,7 +294,7 @@ async function endTurn(turn, outcome, text) {
   await settleTurn(turn, outcome, text).catch(showError);
 }
 
-function handleEvent(turn, event, data) {
+export function handleEvent(turn, event, data) {
   const { view, userEl } = turn;
   switch (event) {
     case "start":

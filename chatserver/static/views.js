@@ -298,6 +298,33 @@ function statsLine(usage, model) {
 
 const NO_ANSWER = "Stopped before the answer began";
 
+const PARAM_WORDS = {
+  temperature: (v) => `temperature ${v}`,
+  top_p: (v) => `top_p ${v}`,
+  max_tokens: (v) => `max ${formatTokens(v)} tokens`,
+  reasoning_effort: (v) => `${v} reasoning`,
+};
+
+/**
+ * What the footer says beyond usage: the generation parameters that were not the defaults, that
+ * the person wrote this reply (an edit), and that Continue carried it on.
+ */
+function replyNotes(message) {
+  const parts = [];
+  if (message.edited) parts.push(["edited", "Edited by you"]);
+  if (message.continued) parts.push(["continued", message.continued === 1 ? "Continued once" : `Continued ${message.continued} times`]);
+  const params = Object.entries(message.params || {}).filter(([key]) => key in PARAM_WORDS);
+  if (params.length) parts.push(["params", params.map(([key, value]) => PARAM_WORDS[key](value)).join(" · ")]);
+  if (!parts.length) return null;
+  const line = node("div", "reply-notes");
+  for (const [test, text] of parts) {
+    const item = node("span", `reply-note ${test}`, text);
+    item.dataset.test = `reply-${test}`;
+    line.append(item);
+  }
+  return line;
+}
+
 /** An assistant message: trail, body, warnings, citations, stats, actions. Live or saved. */
 export class AssistantView {
   constructor({ id, model, reasoning = false } = {}) {
@@ -323,6 +350,8 @@ export class AssistantView {
     for (const id of message.attachment_ids || []) view.addImage(id);
     for (const w of message.warnings || []) view.addWarning(w.message, w.code);
     view.setFinal(message.status || "complete", message.usage, message.citations);
+    const notes = replyNotes(message);
+    if (notes) view.footer.append(notes);
     return view;
   }
 

@@ -67,6 +67,8 @@ def checkpoint_message(turn: Turn, output: OutputCount) -> dict:
 
 async def keep_checkpoints(turn: Turn, every: float) -> None:
     """Write the growing reply every `every` seconds until the turn settles (run it as its own task)."""
+    if turn.continues is not None:
+        return  # the reply it continues is stored settled, and a checkpoint never touches a settled reply
     written = None
     output = OutputCount()
     while not turn.settled:

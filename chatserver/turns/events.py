@@ -196,9 +196,38 @@ class TurnDone:
     type: Literal["done"] = "done"
 
 
+@dataclass(frozen=True, slots=True)
+class CompareStarted:
+    """A comparison began: the person's message and, per model, the reply it is writing."""
+
+    user_message_id: str
+    replies: tuple[dict, ...]  # {"assistant_message_id", "model"}, in the order the models were asked
+    masked: int | None = None
+    type: Literal["start"] = "start"
+
+
+@dataclass(frozen=True, slots=True)
+class LaneEvent:
+    """One compared reply's event (its own `done` or `error` included), sent under the event's own
+    name with the reply's id in its data."""
+
+    assistant_message_id: str
+    event: TurnEvent
+    type: Literal["lane"] = "lane"
+
+
+@dataclass(frozen=True, slots=True)
+class CompareDone:
+    """Every compared reply has ended (each said how in its own `done` or `error`)."""
+
+    replies: tuple[dict, ...]  # {"assistant_message_id", "model", "status"}
+    status: str = "complete"  # "interrupted" when Stop ended the comparison
+    type: Literal["done"] = "done"
+
+
 TurnEvent = (
     TurnStarted | Compressed | TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone
-    | TurnWarning | TurnFailed | TurnDone | ToolStep | ImageAttached
+    | TurnWarning | TurnFailed | TurnDone | ToolStep | ImageAttached | CompareStarted | LaneEvent | CompareDone
 )
 
 

@@ -31,6 +31,7 @@ from chatserver.api.sse import encode
 from chatserver.store.files import NotFound, StoreUnavailable
 from chatserver.store.person_events import PersonEvents, tell_turn
 from chatserver.turns.checkpoints import keep_checkpoints
+from chatserver.turns.compare import Comparison
 from chatserver.turns.events import TurnDone
 from chatserver.turns.pipeline import Turn, Turns
 from chatserver.turns.reply import done_event
@@ -90,7 +91,7 @@ class TurnLog:
 class RunningTurn:
     """A turn in its own task, with the log of what it has said so far."""
 
-    def __init__(self, turn: Turn) -> None:
+    def __init__(self, turn: Turn | Comparison) -> None:
         self.turn = turn
         self.log = TurnLog()
         self.task: asyncio.Task | None = None
@@ -103,10 +104,20 @@ class RunningTurn:
 
     def info(self) -> dict:
         """`Conversation.turn`: the reply being written and how many events it has sent."""
-        return {"assistant_message_id": self.turn.assistant_id, "events": len(self.log.frames)}
+        info = {"assistant_message_id": self.turn.assistant_id, "events": len(self.log.frames)}
+        if isinstance(self.turn, Comparison):
+            info["compare"] = self.turn.info()
+        return info
 
     def follow(self, after: int) -> AsyncIterator[bytes]:
         return self.log.follow(after)
+
+    async def stop_reply(self, assistant_id: str) -> None:
+        """Stop one reply of a comparison (the others run on); a lone turn's own reply stops it whole."""
+        if isinstance(self.turn, Comparison):
+            await self.turn.stop_lane(assistant_id)
+        elif assistant_id == self.turn.assistant_id:
+            await self.stop()
 
     async def stop(self) -> None:
         """Cancel the turn and wait (bounded) until it has saved what arrived and let go."""
@@ -118,21 +129,24 @@ class RunningTurn:
 
     async def drive(self, turns: Turns, checkpoint_seconds: float) -> None:
         turn = self.turn
-        checkpoints = asyncio.create_task(keep_checkpoints(turn, checkpoint_seconds)) if checkpoint_seconds else None
+        compared = isinstance(turn, Comparison)
+        checkpoints = asyncio.create_task(keep_checkpoints(turn, checkpoint_seconds)) \
+            if checkpoint_seconds and not compared else None
         try:
             with self._scope:
-                async with contextlib.aclosing(turns.run(turn)) as events:
+                async with contextlib.aclosing(turn.run(turns) if compared else turns.run(turn)) as events:
                     async for event in events:
                         self._say(event)
             if not self.finished:
                 # Stopped: the pipeline saved the partial reply on its way out; every follower learns how it ended.
                 with anyio.CancelScope(shield=True):
-                    self._say(await self._stopped_done())
+                    for event in await turn.stopped_events() if compared else [await self._stopped_done()]:
+                        self._say(event)
         finally:
             if checkpoints is not None:
                 checkpoints.cancel()
             try:
-                await turns.release(turn)
+                await (turn.release(turns) if compared else turns.release(turn))
             except StoreUnavailable:
                 pass  # the pipeline already releases the lock once the store is back
             finally:
@@ -170,8 +184,8 @@ class TurnHub(Protocol):
     Reads are async so that a hub whose log and stop signal live in Redis fits the same shape.
     """
 
-    def start(self, turn: Turn) -> Started:
-        """Run a begun turn to its end in a task of the server's own."""
+    def start(self, turn: Turn | Comparison) -> Started:
+        """Run a begun turn (or comparison) to its end in a task of the server's own."""
 
     async def info(self, conv_id: str) -> dict | None:
         """The running turn of a conversation (`Conversation.turn`), or None."""
@@ -181,6 +195,9 @@ class TurnHub(Protocol):
 
     async def stop(self, conv_id: str) -> None:
         """Stop the conversation's running turn, if any, and wait until it has saved."""
+
+    async def stop_reply(self, conv_id: str, assistant_id: str) -> None:
+        """Stop one reply of the conversation's running comparison (or its turn writing that reply)."""
 
     async def close(self) -> None:
         """Stop every running turn (at shutdown)."""
@@ -195,7 +212,7 @@ class LocalTurnHub:
         self._latest: dict[str, RunningTurn] = {}  # per conversation: its running turn, or the last one kept
         self._running: set[RunningTurn] = set()
 
-    def start(self, turn: Turn) -> RunningTurn:
+    def start(self, turn: Turn | Comparison) -> RunningTurn:
         running = RunningTurn(turn)
         self._latest[turn.conv_id] = running
         self._running.add(running)
@@ -234,6 +251,10 @@ class LocalTurnHub:
     async def stop(self, conv_id: str) -> None:
         if (running := self.running(conv_id)) is not None:
             await running.stop()
+
+    async def stop_reply(self, conv_id: str, assistant_id: str) -> None:
+        if (running := self.running(conv_id)) is not None:
+            await running.stop_reply(assistant_id)
 
     async def close(self) -> None:
         await asyncio.gather(*(running.stop() for running in list(self._running)))

@@ -22,6 +22,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import HTTPException
@@ -62,10 +63,14 @@ from chatserver.turns.events import (
     accumulate,
 )
 from chatserver.turns.reply import done_event, reply_message, reply_usage
+from chatserver.turns.sampling import Sampling
 from chatserver.turns.toolloop import ToolLoop
 from chatserver.upstream import chat
 from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import StreamRedactor, UpstreamError, classify_exception, redact_value
+
+if TYPE_CHECKING:
+    from chatserver.turns.compare import Lane
 
 log = logging.getLogger("chat.turns")
 
@@ -83,6 +88,10 @@ class NothingToAnswer(Exception):
 
 class NotAnAnswerPoint(Exception):
     """A send's `parent_id` is neither the current path's leaf nor the parent of a message the person typed on it."""
+
+
+class NotContinuable(Exception):
+    """Continue asked of a message that is not an assistant reply at the end of the current path."""
 
 
 class ModelNotInLineup(Exception):
@@ -173,6 +182,12 @@ class Turn:
     previous_leaf: str | None = None
     # The conversation's project as the prompt was built (its files are the tools' too).
     project_id: str | None = None
+    # The parameters the person set (`sampling.Sampling`), sent upstream and kept with the reply.
+    sampling: Sampling = field(default_factory=Sampling)
+    # Continue: the stored reply this turn goes on from (same id); the two parts are saved as one.
+    continues: dict | None = None
+    # Compare: this turn is one of several answers to one message (`compare.Lane`).
+    lane: Lane | None = None
 
     @property
     def lock(self) -> TurnLock:
@@ -244,25 +259,27 @@ class Turns:
         self.scaler = images.Scaler()
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
-                    parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None) -> Turn:
+                    parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None,
+                    answer_to: str | None = None, model: str | None = None) -> Turn:
         """Claim the conversation and add the person's message (or set the answers aside to regenerate).
 
         `parent_id` (a send): answer from that point of the current path, the old branch kept
         (edit and resend); NotAnAnswerPoint when it is not one (`branches.user_parents`). The
         change is visible at once; its write runs while `run` sends the request upstream.
+        Regenerate (`content` None): the answer `answer_to` of the current path (default: the
+        answers to the last message typed) gets a sibling; `model` answers with another model.
         """
         claim = await Claim.take(store, conv_id, keep_alive=True)
         lock = claim.lock
         try:
             conv = await store.get(conv_id)
-            if not await self.in_lineup(conv["model"]):
-                raise ModelNotInLineup(conv["model"])
+            model = model or conv["model"]
+            if not await self.in_lineup(model):
+                raise ModelNotInLineup(model)
             previous = branches.last_node_id(conv)
             if content is None:
-                question = next((m["id"] for m in reversed(conv["messages"]) if m["role"] == "user"), None)
-                if question is None:
-                    raise NothingToAnswer(conv_id)
-                turn = Turn(store, claim, conv["model"], None, parent_id=question, previous_leaf=previous)
+                question = _question_of(conv, answer_to)
+                turn = Turn(store, claim, model, None, parent_id=question, previous_leaf=previous)
                 change = functools.partial(_set_answers_aside, question=question)
             else:
                 edit = parent_id is not LEAF and parent_id != previous
@@ -284,13 +301,41 @@ class Turns:
                         branches.switch(c, parent, descend=False)
                     c["messages"].append(user)
 
-                turn = Turn(store, claim, conv["model"], user, parent_id=user["id"], previous_leaf=previous,
+                turn = Turn(store, claim, model, user, parent_id=user["id"], previous_leaf=previous,
                             masked=masked)
             _, turn.opening = await store.update_soon(conv_id, _settling_the_dead(change), lock=lock)
         except BaseException:
             await claim.release()
             raise
         return turn
+
+    async def resume(self, store: OwnerStore, conv_id: str, message_id: str | None) -> Turn:
+        """Claim the conversation to continue its reply `message_id` (default: the path's last
+        reply), which must end the current path; NotContinuable otherwise. It is answered by the
+        model that wrote it when that model is still in the lineup, else by the conversation's."""
+        claim = await Claim.take(store, conv_id, keep_alive=True)
+        try:
+            conv = await store.get(conv_id)
+            nodes = [m for m in branches.path_items(conv) if branches.is_node(m)]
+            last = nodes[-1] if nodes else None
+            if last is None or last["role"] != "assistant" or message_id not in (None, last["id"]) \
+                    or last.get("status") == "streaming":
+                raise NotContinuable(message_id)
+            model = last.get("model") if await self.in_lineup(last.get("model") or "") else conv["model"]
+            if not await self.in_lineup(model):
+                raise ModelNotInLineup(model)
+            turn = Turn(store, claim, model, None, assistant_id=last["id"], parent_id=last.get("parent_id"),
+                        previous_leaf=last["id"], continues=last)
+            _, turn.opening = await store.update_soon(conv_id, _settling_the_dead(lambda c: None), lock=claim.lock)
+        except BaseException:
+            await claim.release()
+            raise
+        return turn
+
+    async def is_reasoning(self, model: str) -> bool:
+        """Whether the lineup marks this model as a reasoning model (reasoning effort is sent only to those)."""
+        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
+        return any(m.id == model and m.reasoning for m in lineup)
 
     async def in_lineup(self, model: str) -> bool:
         """Whether a turn may use this model: only the lineup's go upstream."""
@@ -727,11 +772,13 @@ class Turns:
         selection = await self._selection(turn, conv, has_files, looks)
         if not selection.gateway and not set(selection.local) & set(tools.GATEWAY_TOOLS):
             prompt = self._without_web_sentence(conv, prompt)
+        turn.sampling = Sampling.of(conv["settings"], reasoning=await self.is_reasoning(turn.model))
         loop = ToolLoop(self.gateway, self.settings, wire="messages" if selection.gateway else "chat",
                         model=turn.model, selection=selection, ctx=self._tool_context(turn, conv),
                         scope=lambda: self._attachment_scope(turn, conv),
                         plain_text=turn.model in self.plain_text_models,
-                        without_web=lambda p: self._without_web_sentence(conv, p))
+                        without_web=lambda p: self._without_web_sentence(conv, p),
+                        sampling=turn.sampling, continuing=turn.continues is not None)
         async with contextlib.aclosing(loop.run(prompt)) as events:
             async for event in events:
                 yield event
@@ -770,13 +817,15 @@ class Turns:
             await self._save(turn, "interrupted", error=failure.kind)
         elif not turn.settled:
             turn.outcome = Outcome.ROLLED_BACK
-            await self._roll_back(turn)
-            if turn.user_message is not None:
-                draft = turn.user_message["content"]
+            # One compared answer failing leaves the message and the other answers (`compare`) as they are.
+            if turn.lane is None:
+                await self.roll_back(turn)
+                if turn.user_message is not None:
+                    draft = turn.user_message["content"]
         log.info("turn on %s ended with %s: %s", turn.conv_id, failure.kind, failure.message)
         return failed(failure, partial=partial, draft=draft)
 
-    async def _roll_back(self, turn: Turn) -> None:
+    async def roll_back(self, turn: Turn) -> None:
         """Take the person's message back out, so sending the draft again does not duplicate it,
         and put the path back where it was (an edit's old branch, a regenerated answer)."""
         message_id = turn.user_message["id"] if turn.user_message is not None else None
@@ -814,16 +863,21 @@ class Turns:
         notice = context.proposed_facts_notice(turn.proposed_facts, turn.assistant_id) if turn.proposed_facts else None
 
         def append(c: dict) -> None:
-            messages = c["messages"]
-            # The reply's last checkpoint (status "streaming") is replaced: the reply is stored once.
-            if messages and messages[-1]["id"] == message["id"]:
-                messages[-1] = message
+            on_path = turn.lane is None or turn.lane.on_path(c)
+            messages = c["messages"] if on_path else c.setdefault("off_path", [])
+            # The reply's last checkpoint (status "streaming"), or the reply it continues, is replaced:
+            # the reply is stored once.
+            at = len(messages) - 1 if messages and messages[-1]["id"] == message["id"] else None
+            if at is None and turn.continues is not None:  # notices may follow the reply it continues
+                at = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["id"] == message["id"]), None)
+            if at is not None:
+                messages[at] = message
             else:
                 messages.append(message)
             if notice is not None:
                 messages.append(notice)
             count_reply(c["totals"], usage)
-            if not usage["estimated"]:
+            if on_path and not usage["estimated"]:
                 # The last request of a paused turn carried the whole prompt; the sum is the bill.
                 c["last_prompt_tokens"] = reports[-1]["input_tokens"]
 
@@ -832,6 +886,20 @@ class Turns:
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
         return message
+
+
+def _question_of(conv: dict, answer_to: str | None) -> str:
+    """The message a regenerated answer answers: `answer_to`'s parent, or the last one typed."""
+    if answer_to is None:
+        question = next((m["id"] for m in reversed(conv["messages"]) if m["role"] == "user"), None)
+    else:
+        reply = next((m for m, _ in branches.linked(branches.path_items(conv)) if m["id"] == answer_to), None)
+        if reply is None or reply["role"] != "assistant":
+            raise NothingToAnswer(conv["id"])
+        question = branches.parents(conv)[answer_to]
+    if question is None:
+        raise NothingToAnswer(conv["id"])
+    return question
 
 
 def _set_answers_aside(conv: dict, *, question: str) -> None:

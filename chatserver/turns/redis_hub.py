@@ -33,6 +33,7 @@ from chatserver.api.sse import encode
 from chatserver.store.files import StoreUnavailable
 from chatserver.store.person_events import PersonEvents, tell_turn
 from chatserver.store.redis import RedisStore
+from chatserver.turns.compare import Comparison
 from chatserver.turns.hub import KEEP_AFTER_END, STOP_WAIT, LocalTurnHub, RunningTurn
 from chatserver.turns.pipeline import Turn, Turns
 from chatserver.turns.reply import done_event
@@ -47,6 +48,10 @@ STOP_POLL_MS = 250
 CLOSE_WAIT = 5.0
 
 
+class RunningElsewhere(Exception):
+    """A request only the process running the turn can carry out reached another one."""
+
+
 class RedisTurnHub:
     """Turns of this process, mirrored to Redis; turns of other processes, read from it."""
 
@@ -56,7 +61,7 @@ class RedisTurnHub:
         self._helpers: set[asyncio.Task] = set()  # per turn: its copy to Redis, its stop listener, its note
         self._sweeper = asyncio.create_task(self._tell_dead_turns(), name="dead turn sweeper")
 
-    def start(self, turn: Turn) -> RunningTurn:
+    def start(self, turn: Turn | Comparison) -> RunningTurn:
         running = self.local.start(turn)
         for work, name in ((self._copy(running), "copy"), (self._listen_for_stop(running), "stop listener"),
                            (self._noted(running), "note")):
@@ -119,6 +124,14 @@ class RedisTurnHub:
             # Any new event wakes this; the turn's last one comes after it let the conversation go.
             await self.store.wait_turn_event(conv_id, tail.seq if tail is not None else 0,
                                              block_ms=max(1, min(int(remaining * 1000), STOP_POLL_MS)))
+
+    async def stop_reply(self, conv_id: str, assistant_id: str) -> None:
+        """One reply of a comparison is stopped only by the process running it: the stop channel
+        carries no reply id, and a whole Stop here would stop the replies the person kept going."""
+        if self.local.running(conv_id) is not None:
+            await self.local.stop_reply(conv_id, assistant_id)
+        elif (await self.store.turn_state(conv_id))[0]:
+            raise RunningElsewhere(conv_id)
 
     async def close(self) -> None:
         await tasks.stop(self._sweeper)

@@ -58,7 +58,35 @@ def reply_message(turn: Turn, status: str, usage: dict, *, error: str | None = N
         message["attachment_ids"] = list(reply.attachment_ids)
     if error:
         message["error"] = error
+    if params := turn.sampling.shown():
+        message["params"] = params
+    if turn.continues is not None:
+        message = continued(turn.continues, message)
     return message
+
+
+def joined(before: str, after: str) -> str:
+    """A reply's two parts as one text: a continuation that starts with a space follows the text
+    without the whitespace it ended on (a prefill is sent without it, so the model supplies its own)."""
+    return before.rstrip() + after if after[:1].isspace() else before + after
+
+
+def continued(earlier: dict, message: dict) -> dict:
+    """A continued reply as stored: one message, the earlier part's text, trail and citations first,
+    both parts' usage summed. Its warnings are the new part's: the old part's cut-off is healed."""
+    out = {**message, "content": joined(earlier.get("content") or "", message["content"]),
+           "created_at": earlier.get("created_at") or message["created_at"],
+           "activity": (earlier.get("activity") or []) + message["activity"],
+           "citations": (earlier.get("citations") or []) + message["citations"],
+           "continued": earlier.get("continued", 0) + 1}
+    if isinstance(earlier.get("usage"), dict) and message.get("usage"):
+        out["usage"] = combined([earlier["usage"], message["usage"]])
+    if earlier.get("rounds") or message.get("rounds"):
+        out["rounds"] = (earlier.get("rounds") or []) + (message.get("rounds") or [])
+    for key in ("params", "edited", "edited_from"):
+        if key in earlier and key not in out:
+            out[key] = earlier[key]
+    return out
 
 
 def done_event(assistant_id: str, stored: dict | None, status: str = "complete") -> TurnDone:

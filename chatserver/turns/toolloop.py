@@ -29,16 +29,27 @@ from chatserver.config import Settings
 from chatserver.tools import registry as tools
 from chatserver.turns.context import Prompt
 from chatserver.turns.events import Event, TextDelta, ToolCallsRequested, ToolRound, ToolStep, TurnWarning
+from chatserver.turns.sampling import Sampling
 from chatserver.upstream import chat
 from chatserver.upstream import messages as web
 from chatserver.upstream.client import Gateway
 
 Wire = Literal["chat", "messages"]
 
+CONTINUE_INSTRUCTION = ("Your previous reply was cut off. Continue it exactly where it stopped, without repeating "
+                        "any of it and without remarking on the interruption.")
+
 
 def rounds_warning(limit: int) -> TurnWarning:
     return TurnWarning("tool_rounds", f"The model was still calling tools after {limit} rounds (TOOL_ROUNDS_MAX), "
                                       "so it was asked to answer with what it has found so far.")
+
+
+def _without_trailing_space(content: str | list[dict]) -> str | list[dict]:
+    """A prefill as Anthropic takes it: a final assistant message may not end with whitespace."""
+    if isinstance(content, str):
+        return content.rstrip()
+    return [*content[:-1], {**content[-1], "text": content[-1].get("text", "").rstrip()}] if content else content
 
 
 def _arguments_json(arguments: str | dict) -> str:
@@ -58,7 +69,8 @@ class ToolLoop:
                  selection: tools.Selection, ctx: tools.ToolContext,
                  scope: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  registry: tools.Registry = tools.registry, plain_text: bool = False,
-                 without_web: Callable[[Prompt], Prompt] = lambda prompt: prompt) -> None:
+                 without_web: Callable[[Prompt], Prompt] = lambda prompt: prompt,
+                 sampling: Sampling = Sampling(), continuing: bool = False) -> None:
         self.gateway = gateway
         self.plain_text = plain_text  # a server that takes plain-text content only (turns.py learns which)
         self.settings = settings
@@ -72,6 +84,9 @@ class ToolLoop:
         self.dropped: set[str] = set()
         # The prompt for a turn that lost its web tools (the budget sentence would promise searches).
         self.without_web = without_web
+        self.sampling = sampling
+        # The prompt ends with a reply to go on from (Continue), not with a message to answer.
+        self.continuing = continuing
 
     async def run(self, prompt: Prompt) -> AsyncIterator[Event]:
         limit = self.settings.tool_rounds_max
@@ -135,11 +150,13 @@ class ToolLoop:
     def _request(self, prompt: Prompt, extra: list[dict], final: bool) -> AsyncIterator[Event]:
         """One request; `final`: our tools stay declared (the history names them) but may not be called."""
         choice = "none" if final else None
-        messages = prompt.messages + extra
+        messages = self._continued(prompt.messages, extra)
+        max_tokens = self.sampling.max_tokens or self.settings.max_completion_tokens
         if self.wire == "chat":
-            body = chat.build_body(self.model, prompt.system, messages, max_tokens=self.settings.max_completion_tokens,
-                                   plain_text=self.plain_text,
-                                   params=self.settings.params_for(self.model),
+            params = {**self.settings.params_for(self.model),
+                      **chat.sampling_fields(self.sampling, openrouter=self.settings.gateway_is_openrouter)}
+            body = chat.build_body(self.model, prompt.system, messages, max_tokens=max_tokens,
+                                   plain_text=self.plain_text, params=params,
                                    tools=self.registry.declarations(self.selection.local, "chat"), tool_choice=choice)
             source = self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
         else:
@@ -147,10 +164,21 @@ class ToolLoop:
             declared = web.declarations(server, self.settings) + \
                 self.registry.declarations(self.selection.local, "messages")
             source = web.stream(self.gateway, model=self.model, system=prompt.system, messages=messages,
-                                tools=declared, max_tokens=self.settings.max_completion_tokens,
+                                tools=declared, max_tokens=max_tokens,
                                 pause_turn_max=self.settings.pause_turn_max, tool_choice=choice,
-                                dropped=self.dropped)
+                                dropped=self.dropped, sampling=self.sampling)
         return source
+
+    def _continued(self, messages: list[dict], extra: list[dict]) -> list[dict]:
+        """Continue: Messages takes the saved text as a prefill the model carries on from (not with
+        extended thinking, which refuses one, nor after a tool round); elsewhere the saved reply is
+        followed by an instruction to go on from it."""
+        if not self.continuing or not messages or messages[-1]["role"] != "assistant":
+            return messages + extra
+        last = messages[-1]
+        if self.wire == "messages" and not extra and not self.sampling.reasoning_effort:
+            return [*messages[:-1], {**last, "content": _without_trailing_space(last["content"])}]
+        return [*messages, {"role": "user", "content": CONTINUE_INSTRUCTION}, *extra]
 
     @staticmethod
     def _round(text: str, calls: tuple[tools.Call, ...], results: list[tools.ToolResult]) -> dict:

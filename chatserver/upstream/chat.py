@@ -23,6 +23,7 @@ from chatserver.turns.events import (
     ToolCallsRequested,
     UsageReport,
 )
+from chatserver.turns.sampling import Sampling
 from chatserver.upstream.failures import UpstreamError, classify_finish, classify_stream_error
 from chatserver.upstream.sse import SSERecord
 
@@ -70,6 +71,24 @@ def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+def sampling_fields(sampling: Sampling, *, openrouter: bool) -> dict:
+    """The person's parameters as chat-completions fields (the reply limit is `max_tokens`, set apart).
+
+    Reasoning effort is OpenAI's top-level `reasoning_effort`; OpenRouter documents its own
+    `reasoning: {effort}` (its unified form across providers), so that is what it is sent."""
+    fields: dict = {}
+    if sampling.temperature is not None:
+        fields["temperature"] = sampling.temperature
+    if sampling.top_p is not None:
+        fields["top_p"] = sampling.top_p
+    if sampling.reasoning_effort is not None:
+        if openrouter:
+            fields["reasoning"] = {"effort": sampling.reasoning_effort}
+        else:
+            fields["reasoning_effort"] = sampling.reasoning_effort
+    return fields
 
 
 def auth_headers(api_key: str | None) -> dict:

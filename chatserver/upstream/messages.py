@@ -19,7 +19,8 @@ It does not know conversations, the prompt's layout (`context.py`), how events a
 saved (`turns.py`), or how to run a tool: the gateway runs search and fetch, and this module
 only reports what the gateway says it did.
 
-Deliberately not sent: per-model extra params (`settings.params_for`). They are
+The person's parameters (`sampling_fields`) are sent in this format's terms: reasoning effort as
+extended thinking's budget. Deliberately not sent: per-model extra params (`settings.params_for`). They are
 chat-completions params (`reasoning_effort`), and a strict Messages endpoint answers an unknown
 top-level field with a 400 that would kill the tool turn. The Messages default (no extended
 thinking) is already the cheap setting those params ask for.
@@ -49,6 +50,7 @@ from chatserver.turns.events import (
     TurnWarning,
     UsageReport,
 )
+from chatserver.turns.sampling import Sampling
 from chatserver.upstream import chat
 from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import UpstreamError, classify_finish, classify_stream_error
@@ -85,8 +87,31 @@ def declarations(names: list[str], settings: Settings) -> list[dict]:
     return [{"type": kinds[name][0], "name": name, "max_uses": kinds[name][1]} for name in names]
 
 
+# Extended thinking's budget for each reasoning effort (Anthropic's minimum budget is 1,024 tokens).
+THINKING_BUDGET = {"minimal": 1024, "low": 2048, "medium": 8192, "high": 16384}
+
+
+def sampling_fields(sampling: Sampling, max_tokens: int) -> tuple[dict, int]:
+    """The person's parameters as Messages fields, and the request's `max_tokens`.
+
+    Reasoning effort becomes `thinking` with a token budget; `max_tokens` counts thinking too and
+    must exceed the budget, so the reply keeps its own limit on top of it. With thinking on,
+    Anthropic refuses a changed temperature or top_p, so neither is sent then. Temperature is
+    0-1 on this wire (0-2 on chat completions): a higher one is sent as 1."""
+    if sampling.reasoning_effort is not None:
+        budget = THINKING_BUDGET[sampling.reasoning_effort]
+        return {"thinking": {"type": "enabled", "budget_tokens": budget}}, budget + max_tokens
+    fields: dict = {}
+    if sampling.temperature is not None:
+        fields["temperature"] = min(sampling.temperature, 1.0)
+    if sampling.top_p is not None:
+        fields["top_p"] = sampling.top_p
+    return fields, max_tokens
+
+
 def build_body(model: str, system: list[dict], messages: list[dict], tools: list[dict], *,
-               max_tokens: int, received: list[dict] | None = None, tool_choice: str | None = None) -> dict:
+               max_tokens: int, received: list[dict] | None = None, tool_choice: str | None = None,
+               sampling: Sampling = Sampling()) -> dict:
     """The request; after a pause, the same request plus one assistant message of the blocks so far.
 
     `messages` may hold earlier tool rounds in the chat shape `context.wire_history` gives; they
@@ -95,8 +120,9 @@ def build_body(model: str, system: list[dict], messages: list[dict], tools: list
     messages = as_blocks(messages)
     if received:
         messages = [*messages, {"role": "assistant", "content": list(received)}]
+    fields, max_tokens = sampling_fields(sampling, max_tokens)
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "system": system,
-            "messages": messages, "tools": tools}
+            "messages": messages, "tools": tools, **fields}
     if tool_choice:
         body["tool_choice"] = {"type": tool_choice}
     return body
@@ -371,7 +397,8 @@ def _merge(old: dict, new: dict) -> dict:
 
 async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: list[dict],
                  tools: list[dict], max_tokens: int, pause_turn_max: int,
-                 tool_choice: str | None = None, dropped: set[str] | None = None) -> AsyncIterator[Event]:
+                 tool_choice: str | None = None, dropped: set[str] | None = None,
+                 sampling: Sampling = Sampling()) -> AsyncIterator[Event]:
     """Events of one tool turn across its continuations, ending with `Finished`, or an error.
 
     When the model stops to call our own tools (`tool_use`), a `ToolCallsRequested` with the
@@ -383,7 +410,7 @@ async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: 
     for continuation in range(pause_turn_max + 1):
         decoder = MessagesDecoder(tool_inputs)
         body = build_body(model, system, messages, tools, max_tokens=max_tokens, received=received,
-                          tool_choice=tool_choice)
+                          tool_choice=tool_choice, sampling=sampling)
         events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
         try:
             first = await anext(events)
@@ -400,7 +427,8 @@ async def stream(gateway: Gateway, *, model: str, system: list[dict], messages: 
             if not tools:
                 raise ToolsRejected([t["name"] for t in rejected], failure) from failure
             yield dropped_warning([t["name"] for t in rejected], failure)
-            body = build_body(model, system, messages, tools, max_tokens=max_tokens, tool_choice=tool_choice)
+            body = build_body(model, system, messages, tools, max_tokens=max_tokens, tool_choice=tool_choice,
+                              sampling=sampling)
             events = gateway.stream(PATH, body, request_headers(gateway.api_key, tools), decoder)
             first = None
         async with contextlib.aclosing(events):
