@@ -216,12 +216,12 @@ async def patch_conversation(conv_id: str, body: ConversationPatch, state: State
             conv["model"] = body.model
         if body.settings is not None:
             conv["settings"].update(body.settings.model_dump(exclude_none=True))
-        if moving:
-            conv["project_id"] = body.project_id
             # An explicit null puts a generation parameter back to its default.
             for key in sampling.KEYS:
                 if key in body.settings.model_fields_set and getattr(body.settings, key) is None:
                     conv["settings"].pop(key, None)
+        if moving:
+            conv["project_id"] = body.project_id
 
     return await conversation_out(state, store, await store.update(conv_id, apply))
 
