@@ -352,3 +352,14 @@ async def test_an_image_in_the_files_but_in_no_message_is_listed_with_its_id_for
     body = sim.requests[-1].body
     assert "analyze_image" in declared(body)
     assert f"- logo.png (image, 50 × 50 PNG, id {aid})" in json.dumps(body["messages"][0], ensure_ascii=False)
+
+
+async def test_the_gateways_model_list_unreachable_leaves_the_lineup_as_configured(tmp_path):
+    # Nothing listens there: the list is not read, VISION_MODELS still counts, and nobody waits long.
+    settings = Settings(_env_file=None, gateway_base_url="http://127.0.0.1:9", data_dir=tmp_path / "data",
+                        vision_models="openai/gpt-5")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            lineup = models_of((await client.get("/api/models")).json())
+    assert lineup["openai/gpt-5"]["vision"] is True and lineup["openai/gpt-5-mini"]["vision"] is False
