@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 
 import httpx
@@ -363,3 +364,15 @@ async def test_the_gateways_model_list_unreachable_leaves_the_lineup_as_configur
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
             lineup = models_of((await client.get("/api/models")).json())
     assert lineup["openai/gpt-5"]["vision"] is True and lineup["openai/gpt-5-mini"]["vision"] is False
+
+
+async def test_an_image_the_child_cannot_scale_leaves_a_note_and_the_turn_goes_on(client, sim, app):
+    conv_id = await conversation(client, VISION_MODEL)
+    aid = await attach(client, conv_id, png(3000, 2000))
+    attachments = app.state.chat.attachments
+    attachments.limits = dataclasses.replace(attachments.limits, max_image_pixels=1_000_000)  # the child refuses it now
+    sim.enqueue(Script([steps.Text("I cannot see it.")]))
+    events = await say(client, conv_id, "What is this?", [aid])
+    assert [name for name, _ in events][-1] == "done"
+    assert sim.requests[-1].images == []
+    assert "[Attached image photo.png could not be sent: " in sent_text(sim.requests[-1].body)
