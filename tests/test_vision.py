@@ -376,3 +376,14 @@ async def test_an_image_the_child_cannot_scale_leaves_a_note_and_the_turn_goes_o
     assert [name for name, _ in events][-1] == "done"
     assert sim.requests[-1].images == []
     assert "[Attached image photo.png could not be sent: " in sent_text(sim.requests[-1].body)
+
+
+async def test_a_measured_prompt_replaces_the_image_estimate(client, sim):
+    conv_id = await conversation(client, VISION_MODEL)
+    aid = await attach(client, conv_id, png(1024, 1024))
+    sim.enqueue(Script([steps.Text("Square.")], usage=Usage(prompt=2000, completion=10, dialect="openrouter")))
+    await say(client, conv_id, "Shape?", [aid])
+    context = (await client.get(f"/api/conversations/{conv_id}")).json()["context"]
+    assert context["measured"] is True and context["images"] == 85 + 170 * 4  # 768 x 768: 2 x 2 tiles
+    # The image is inside the measured 2,000: counted once, by the gateway's number, not again by ours.
+    assert context["history"] == 2000 + 10 - context["persona"] - context["memory"] - context["summary"]
