@@ -248,10 +248,14 @@ async def test_thumbnails_are_small_cached_and_answer_304(api, client, app):
     assert answer.status_code == 200 and opened(answer.content).size == (32, 64)
 
 
-async def test_another_person_gets_404_for_thumbnails_and_originals(server, alice, bob):  # noqa: F811
+async def test_another_person_gets_404_for_thumbnails_and_originals_on_files_and_redis(server, alice, bob):  # noqa: F811
     conv = (await alice.post("/api/conversations", json={})).json()
     mine = (await upload(alice, conv["id"], "me.jpg", gps_jpeg())).json()
     shelf = (await upload(alice, "", "shelf.jpg", gps_jpeg(), path="/api/library")).json()
+    # What the metadata store (files, or Redis) gives back names the image and its size.
+    [listed] = (await alice.get(f"/api/conversations/{conv['id']}/attachments")).json()
+    assert (listed["kind"], listed["width"], listed["height"], listed["media_type"]) == ("image", 32, 64, "image/jpeg")
+    assert (await alice.get("/api/library")).json() == [shelf]
     urls = [f"/api/conversations/{conv['id']}/attachments/{mine['id']}/thumbnail",
             f"/api/conversations/{conv['id']}/attachments/{mine['id']}"]
     for url in urls:

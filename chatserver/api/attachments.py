@@ -369,15 +369,21 @@ async def _page_image(request: Request, attachments: Attachments, scope: Scope, 
         path = await attachments.page_images.image(attachments, scope, meta, int(page), person)
     except AttachmentError as exc:
         raise _fail(exc) from None
-    # no-cache: the browser keeps it but asks again (a 304 through the owner check) before showing it.
-    # An attachment id is never reused and its original never changes, so the ids name the image.
-    headers = {
-        "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
-        "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": f'"{meta["id"]}-{page}"',
-    }
-    if headers["ETag"] in request.headers.get("if-none-match", ""):
+    headers = image_headers(f'"{meta["id"]}-{page}"')
+    if not_modified(request, headers):
         return Response(status_code=304, headers=headers)
     return FileResponse(path, media_type="image/png", headers=headers)
+
+
+def image_headers(etag: str) -> dict[str, str]:
+    # no-cache: the browser keeps it but asks again (a 304 through the owner check) before showing it.
+    # An attachment id is never reused and its original never changes, so the ids name the image.
+    return {"X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
+            "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": etag}
+
+
+def not_modified(request: Request, headers: dict[str, str]) -> bool:
+    return headers["ETag"] in request.headers.get("if-none-match", "")
 
 
 Label = Annotated[str | None, Query(max_length=300, description="only the passages cited with this label")]
@@ -429,13 +435,8 @@ async def _thumbnail(request: Request, attachments: Attachments, scope: Scope, a
         meta, blob = await attachments.thumbnail(scope, attachment_id, person)
     except AttachmentError as exc:
         raise _fail(exc) from None
-    # As for a page image: kept by the browser, asked for again through the owner check (an id is
-    # never reused and an image never changes, so the id names the thumbnail).
-    headers = {
-        "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache",
-        "Content-Security-Policy": "default-src 'none'; sandbox", "ETag": f'"{meta["id"]}-thumbnail"',
-    }
-    if headers["ETag"] in request.headers.get("if-none-match", ""):
+    headers = image_headers(f'"{meta["id"]}-thumbnail"')
+    if not_modified(request, headers):
         await blob.aclose()
         return Response(status_code=304, headers=headers)
     if blob.path is not None:

@@ -348,20 +348,29 @@ def read_zip(raw: bytes) -> tuple[bytes, list[dict]]:
             member = min(candidates, key=lambda i: i.filename.count("/"))  # the top-most one
             if member.flag_bits & 0x1:
                 raise Unreadable("conversations.json is encrypted in the zip archive")
-            limit = f"{MAX_IMPORT_BYTES // (1024 * 1024)} MB"
-            if member.file_size > MAX_IMPORT_BYTES:
-                raise Unreadable(f"conversations.json in the zip archive is over {limit} unpacked "
-                                 f"({member.file_size} bytes declared)")
-            data = bytearray()
-            with archive.open(member) as stream:
-                while chunk := stream.read(1 << 20):
-                    data += chunk
-                    if len(data) > MAX_IMPORT_BYTES:  # the declared size lied
-                        raise Unreadable(f"conversations.json in the zip archive is over {limit} unpacked")
+            data = _read_member(archive, member, MAX_IMPORT_BYTES)
+            if data is None:
+                declared = f" ({member.file_size} bytes declared)" if member.file_size > MAX_IMPORT_BYTES else ""
+                raise Unreadable(f"conversations.json in the zip archive is over "
+                                 f"{MAX_IMPORT_BYTES // (1024 * 1024)} MB unpacked{declared}")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError,
             OSError, zlib.error, ValueError) as exc:
         raise Unreadable(f"the zip archive cannot be read ({type(exc).__name__}: {str(exc)[:100]})") from None
-    return bytes(data), []
+    return data, []
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes | None:
+    """A member's bytes read in memory, or None past `limit` bytes: declared, or as read (a declared
+    size may lie), so a zip bomb stops at the limit however far it would inflate."""
+    if info.file_size > limit:
+        return None
+    data = bytearray()
+    with archive.open(info) as stream:
+        while chunk := stream.read(1 << 20):
+            data += chunk
+            if len(data) > limit:
+                return None
+    return bytes(data)
 
 
 def zip_images(raw: bytes) -> tuple[dict[str, zipfile.ZipInfo], set[str]]:
@@ -394,19 +403,15 @@ def zip_member(raw: bytes, info: zipfile.ZipInfo, limit: int) -> bytes:
     header declares, or when it is encrypted or damaged."""
     if info.flag_bits & 0x1:
         raise Unreadable("it is encrypted in the zip archive")
-    if info.file_size > limit:
-        raise Unreadable(f"it is over {limit} bytes unpacked")
-    data = bytearray()
     try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as archive, archive.open(info) as stream:
-            while chunk := stream.read(1 << 20):
-                data += chunk
-                if len(data) > limit:  # the declared size lied
-                    raise Unreadable(f"it is over {limit} bytes unpacked")
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            data = _read_member(archive, info, limit)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError, EOFError,
             OSError, zlib.error, ValueError) as exc:
         raise Unreadable(f"it cannot be read from the zip archive ({type(exc).__name__})") from None
-    return bytes(data)
+    if data is None:
+        raise Unreadable(f"it is over {limit} bytes unpacked")
+    return data
 
 
 def zip_entry_count(raw: bytes) -> int:
