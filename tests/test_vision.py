@@ -127,6 +127,7 @@ async def test_the_image_route_answers_only_raster_images_typed_by_their_bytes(c
     shown = await client.get(route, params={"url": address})
     assert shown.status_code == 200 and shown.headers["content-type"] == "image/png"
     assert shown.content == pixels.png and shown.headers["x-content-type-options"] == "nosniff"
+    assert shown.headers["content-security-policy"] == "default-src 'none'; sandbox"
 
     # An SVG (a document that can carry script) declared as an image is not served from our origin.
     pixels.png, pixels.content_type = b"<svg xmlns='http://www.w3.org/2000/svg' onload='alert(1)'/>", "image/png"
