@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 
 import httpx
@@ -126,6 +127,7 @@ async def test_the_image_route_answers_only_raster_images_typed_by_their_bytes(c
     shown = await client.get(route, params={"url": address})
     assert shown.status_code == 200 and shown.headers["content-type"] == "image/png"
     assert shown.content == pixels.png and shown.headers["x-content-type-options"] == "nosniff"
+    assert shown.headers["content-security-policy"] == "default-src 'none'; sandbox"
 
     # An SVG (a document that can carry script) declared as an image is not served from our origin.
     pixels.png, pixels.content_type = b"<svg xmlns='http://www.w3.org/2000/svg' onload='alert(1)'/>", "image/png"
@@ -352,3 +354,37 @@ async def test_an_image_in_the_files_but_in_no_message_is_listed_with_its_id_for
     body = sim.requests[-1].body
     assert "analyze_image" in declared(body)
     assert f"- logo.png (image, 50 × 50 PNG, id {aid})" in json.dumps(body["messages"][0], ensure_ascii=False)
+
+
+async def test_the_gateways_model_list_unreachable_leaves_the_lineup_as_configured(tmp_path):
+    # Nothing listens there: the list is not read, VISION_MODELS still counts, and nobody waits long.
+    settings = Settings(_env_file=None, gateway_base_url="http://127.0.0.1:9", data_dir=tmp_path / "data",
+                        vision_models="openai/gpt-5")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            lineup = models_of((await client.get("/api/models")).json())
+    assert lineup["openai/gpt-5"]["vision"] is True and lineup["openai/gpt-5-mini"]["vision"] is False
+
+
+async def test_an_image_the_child_cannot_scale_leaves_a_note_and_the_turn_goes_on(client, sim, app):
+    conv_id = await conversation(client, VISION_MODEL)
+    aid = await attach(client, conv_id, png(3000, 2000))
+    attachments = app.state.chat.attachments
+    attachments.limits = dataclasses.replace(attachments.limits, max_image_pixels=1_000_000)  # the child refuses it now
+    sim.enqueue(Script([steps.Text("I cannot see it.")]))
+    events = await say(client, conv_id, "What is this?", [aid])
+    assert [name for name, _ in events][-1] == "done"
+    assert sim.requests[-1].images == []
+    assert "[Attached image photo.png could not be sent: " in sent_text(sim.requests[-1].body)
+
+
+async def test_a_measured_prompt_replaces_the_image_estimate(client, sim):
+    conv_id = await conversation(client, VISION_MODEL)
+    aid = await attach(client, conv_id, png(1024, 1024))
+    sim.enqueue(Script([steps.Text("Square.")], usage=Usage(prompt=2000, completion=10, dialect="openrouter")))
+    await say(client, conv_id, "Shape?", [aid])
+    context = (await client.get(f"/api/conversations/{conv_id}")).json()["context"]
+    assert context["measured"] is True and context["images"] == 85 + 170 * 4  # 768 x 768: 2 x 2 tiles
+    # The image is inside the measured 2,000: counted once, by the gateway's number, not again by ours.
+    assert context["history"] == 2000 + 10 - context["persona"] - context["memory"] - context["summary"]

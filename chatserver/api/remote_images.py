@@ -47,6 +47,8 @@ async def remote_image(conv_id: str, url: Annotated[str, Query(min_length=1, max
         return JSONResponse({"detail": str(exc)}, status_code=502)
     except (httpx.HTTPError, OSError) as exc:  # the host did not answer well
         return JSONResponse({"detail": f"the image could not be fetched ({type(exc).__name__})"}, status_code=502)
-    # Private: the person's own view of a reply; `inline` so the page's <img> shows it.
+    # Private: the person's own view of a reply; `inline` so the page's <img> shows it. Bytes from
+    # another site on this origin: opened on their own (a new tab) they may run nothing.
     return Response(body, media_type=kind, headers={"Cache-Control": "private, max-age=3600",
-                                                    "Content-Disposition": "inline"})
+                                                    "Content-Disposition": "inline",
+                                                    "Content-Security-Policy": "default-src 'none'; sandbox"})

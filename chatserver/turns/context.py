@@ -254,7 +254,11 @@ def wire_history(messages: list[dict], *, rounds: bool = True, extras: Mapping[s
             out += expand_rounds(m)
         elif (m.get("content") or "").strip():
             parts = extras.get(m.get("id", "")) if extras else None
-            content = [*parts, {"type": "text", "text": m["content"]}] if parts else m["content"]
+            if parts and all(p["type"] == "text" for p in parts):
+                # Notes only: still one string, which every server takes (some take nothing else).
+                content = "\n".join(p["text"] for p in parts) + "\n\n" + m["content"]
+            else:
+                content = [*parts, {"type": "text", "text": m["content"]}] if parts else m["content"]
             out.append({"role": m["role"], "content": content})
     return out
 

@@ -30,6 +30,7 @@ from fastapi import HTTPException
 from chatserver.attachments.store import (
     AttachmentError,
     Attachments,
+    BlobMissing,
     StoredImage,
     attachment_context,
     attachment_listing,
@@ -353,11 +354,11 @@ class Turns:
             return {}
         return {m["id"]: m for m in await self.attachments.list(conversation_scope(conv_id)) if is_image(m)}
 
-    async def image_tokens(self, conv: dict, model: str, found: dict[str, dict] | None = None) -> dict[str, int]:
+    async def image_tokens(self, conv: dict, model: str) -> dict[str, int]:
         """Attachment id -> the estimated tokens of that image as `model` is sent it (none when it cannot see)."""
         if not carries_files(conv) or not await self.sees(model):
             return {}
-        found = await self.conversation_images(conv["id"]) if found is None else found
+        found = await self.conversation_images(conv["id"])
         edge = self.settings.image_max_edge
         return {aid: images.image_tokens(model, *images.fitted(m["width"], m["height"], edge))
                 for aid, m in found.items()}
@@ -372,8 +373,16 @@ class Turns:
             return {mid: [{"type": "text", "text": self._image_note(found[aid])} for aid in ids]
                     for mid, ids in carrying.items()}
         wanted = list(dict.fromkeys(aid for ids in carrying.values() for aid in ids))
-        scaled = await asyncio.gather(*(self._scaled(turn, aid) for aid in wanted))
-        parts = {aid: s.part(images.image_tokens(turn.model, s.width, s.height)) for aid, s in zip(wanted, scaled)}
+        scaled = await asyncio.gather(*(self._scaled(turn, aid) for aid in wanted), return_exceptions=True)
+        parts = {}
+        for aid, done in zip(wanted, scaled):
+            if isinstance(done, (AttachmentError, BlobMissing)):
+                # Deleted meanwhile, or the child refused it (busy, over its limits): the turn goes on without it.
+                parts[aid] = {"type": "text", "text": f"[Attached image {found[aid]['name']} could not be sent: {done}]"}
+            elif isinstance(done, BaseException):
+                raise done
+            else:
+                parts[aid] = done.part(images.image_tokens(turn.model, done.width, done.height))
         return {mid: [parts[aid] for aid in ids] for mid, ids in carrying.items()}
 
     @staticmethod
