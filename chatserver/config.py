@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     cache_ttl: Literal["5m", "1h"] = "5m"
     cache_history_breakpoint: bool = True
 
+    # Costs (issue 28): how a missing or estimated cost is asked of the gateway's own bill, and the
+    # monthly budget (USD) of a person an admin gave none; unset: no budget.
+    cost_reconcile: Literal["auto", "openrouter", "litellm", "off"] = "auto"
+    default_monthly_budget: float | None = Field(None, ge=0)
+
     search_max_uses: int = Field(3, ge=0)
     fetch_max_uses: int = Field(2, ge=0)
     pause_turn_max: int = Field(3, ge=0)

@@ -31,6 +31,7 @@ from chatserver.conversations import branches, pii
 from chatserver.conversations.document import new_id, now_iso, recover_interrupted
 from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.conversations.usage import add_usage, count_reply
+from chatserver.costs.service import Costs, has_images
 from chatserver.store.files import Change, NotFound, OwnerStore, StoreUnavailable, TurnLock
 from chatserver.tools import registry as tools
 from chatserver.turns import context, titles
@@ -154,6 +155,7 @@ class Turn:
     # so a turn that fails before any output puts the path back where it was.
     parent_id: str | None = None
     previous_leaf: str | None = None
+    vision: bool = False  # the prompt carried an image (its requests are charged as `vision`)
 
     @property
     def lock(self) -> TurnLock:
@@ -215,6 +217,8 @@ class Turns:
         # Work that follows a turn (its title), kept so it is not collected mid-flight and can be awaited.
         self.background: set[asyncio.Task] = set()
         self._naming: set[str] = set()  # conversations whose title call is under way
+        # The ledger every request is charged to, prices, reconciliation and budgets (issue 28).
+        self.costs = Costs(settings, gateway)
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
                     parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None) -> Turn:
@@ -314,9 +318,13 @@ class Turns:
                 return
             request = titles.request(question["content"], reply["content"])
             usage = title = None
+            charges: list[dict] = []
             try:
-                text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS)
+                call: dict = {}
+                text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS,
+                                                               call)
                 usage = context.normalize_usage(raw, sent_floor=context.count_tokens(request), output_text=text or "")
+                charges = await self.costs.call(store.owner, conv_id, "title", self.settings.summarizer_model, usage, call)
                 title = titles.parse(text, finish)
                 if title is not None and self.settings.pii_masking == "on":
                     title = pii.mask(title)[0]
@@ -335,17 +343,20 @@ class Turns:
                     c["title_source"] = "model"
 
             await store.update(conv_id, save)
+            self.costs.reconcile_soon(store.owner, charges)
         except NotFound:
             return
         except Exception:  # a title is a nicety: it must never surface as a failure
             log.exception("titling %s failed", conv_id)
 
-    async def _ask_summarizer(self, messages: list[dict], max_tokens: int) -> tuple[str, str, dict | None]:
-        """One non-streamed call to SUMMARIZER_MODEL."""
+    async def _ask_summarizer(self, messages: list[dict], max_tokens: int,
+                              call: dict | None = None) -> tuple[str, str, dict | None]:
+        """One non-streamed call to SUMMARIZER_MODEL; `call` receives its billing record."""
         model = self.settings.summarizer_model
         body = chat.build_body(model, [], messages, max_tokens=max_tokens,
                                params=self.settings.params_for(model), stream=False)
-        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key),
+                                                                call))
 
     async def _opened(self, turn: Turn) -> None:
         """Wait for the opening write; if it failed, nothing of this turn may be stored."""
@@ -366,7 +377,9 @@ class Turns:
         the one being answered. The summarizer's call is charged to the conversation like a
         turn's, and counted apart as compression cost.
         """
-        result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending)
+        call: dict = {}
+        result = await context.compress(await store.get(conv_id), self.settings,
+                                        functools.partial(self._summarize, call=call), pending=pending)
         if not result.history:
             return result.event(0)
         facts = list(result.facts)
@@ -384,6 +397,8 @@ class Turns:
             await store.write_memory(context.merge_facts(memory, fresh)[0])
         data = {**result.event(0 if review else len(fresh)), "facts": fresh, "facts_pending": bool(review and fresh)}
         notice = result.notice(data)
+        charges = [] if result.usage is None else await self.costs.call(
+            store.owner, conv_id, "summary", self.settings.summarizer_model, result.usage, call, message_id=notice["id"])
 
         def save(c: dict) -> None:
             result.apply(c, notice, pending=pending)
@@ -395,6 +410,7 @@ class Turns:
                 totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
 
         await store.update(conv_id, save, lock=lock)
+        self.costs.reconcile_soon(store.owner, charges)
         return {**data, "notice": notice}
 
     async def review_facts(self, store: OwnerStore, conv_id: str, notice_id: str, keep: list[str]) -> dict:
@@ -431,12 +447,9 @@ class Turns:
         async with await Claim.take(store, conv_id) as claim:
             return await self.compress(store, conv_id, pending=False, lock=claim.lock)
 
-    async def _summarize(self, messages: list[dict]) -> tuple[str, str, dict | None]:
+    async def _summarize(self, messages: list[dict], call: dict | None = None) -> tuple[str, str, dict | None]:
         """One non-streamed call to SUMMARIZER_MODEL, capped at SUMMARY_MAX_TOKENS."""
-        model = self.settings.summarizer_model
-        body = chat.build_body(model, [], messages, max_tokens=self.settings.summary_max_tokens,
-                               params=self.settings.params_for(model), stream=False)
-        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+        return await self._ask_summarizer(messages, self.settings.summary_max_tokens, call)
 
     async def run(self, turn: Turn) -> AsyncIterator[TurnEvent]:
         """The turn's events; `done` comes only after the reply is saved."""
@@ -444,6 +457,7 @@ class Turns:
         user_id = turn.user_message["id"] if turn.user_message else None
         try:
             yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
+            await self.costs.admit(turn.store.owner)
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
             if context.project(conv, memory, self.settings) > context.budget_of(conv, self.settings):
@@ -463,6 +477,7 @@ class Turns:
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
                                               attachments=files)
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
+                turn.vision = has_images(prompt.messages)
                 try:
                     turn.requested = True
                     async with contextlib.aclosing(self._transport(turn, conv, prompt, bool(files))) as events:
@@ -515,6 +530,7 @@ class Turns:
             with anyio.CancelScope(shield=True):
                 try:
                     await self._save(turn, "interrupted")
+                    await self.costs.leftovers(turn)
                 except StoreUnavailable as exc:  # the person was already told
                     log.warning("turn on %s ended while the store was unreachable: %s", turn.conv_id, exc)
                 await turn.claim.release()
@@ -655,6 +671,7 @@ class Turns:
         reply.end_running_tools()
         sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
         usage, reports = reply_usage(turn, sent_floor)
+        charges = await self.costs.reply(turn, usage, sent_floor)
         message = reply_message(turn, status, usage, error=error)
 
         # Facts the model proposed follow the reply, so they leave the path with it (a regenerate).
@@ -678,6 +695,7 @@ class Turns:
             await turn.store.update(turn.conv_id, append, lock=turn.lock)
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
+        self.costs.reconcile_soon(turn.store.owner, charges)
         return message
 
 
