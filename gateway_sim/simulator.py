@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -1532,7 +1532,8 @@ class GatewaySimulator:
                  cache_ttl_seconds: float = 300, *, keep_requests: int = DEFAULT_KEEP_REQUESTS,
                  string_system_only: bool = False, billing: str | None = None,
                  prices: Mapping[str, tuple[float, float, float, float]] | None = None,
-                 publish_prices: bool = True, generation_delay: float = 0.0) -> None:
+                 publish_prices: bool = True, generation_delay: float = 0.0,
+                 responder: Callable[[str, Mapping], Script | None] | None = None) -> None:
         if keep_requests < 1:
             raise ValueError("keep_requests must be at least 1")
         if billing is not None and billing not in BILLING_MODES:
@@ -1542,6 +1543,9 @@ class GatewaySimulator:
         # lookup, "litellm" sends x-litellm-call-id (and, on whole answers, x-litellm-response-cost)
         # and answers spend logs. `generation_delay`: how long a record takes to become visible.
         self.billing = billing
+        # Scripts chosen by the request itself (path, body), before the queue: a long session whose
+        # background calls (titles, summaries) would otherwise take each other's queued replies.
+        self.responder = responder
         self.prices = dict(prices or {})
         self.publish_prices = publish_prices
         self.generation_delay = generation_delay
@@ -1813,8 +1817,10 @@ class GatewaySimulator:
         if self.string_system_only and path == CHAT_PATH and any(
                 m.get("role") == "system" and not isinstance(m.get("content"), str) for m in body["messages"]):
             return _error_reply(path, errors.llamacpp_validation_500(body))
+        script = self.responder(path, body) if self.responder is not None else None
         with self._lock:
-            script = self._queue.popleft() if self._queue else None
+            if script is None and self._queue:
+                script = self._queue.popleft()
             forever = self._forever
         if script is None and forever is not None:
             script = forever[0] if _offers_tools(body) else forever[1]

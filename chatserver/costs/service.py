@@ -113,7 +113,8 @@ class Costs:
     async def reply(self, turn: Turn, usage: dict, sent_floor: int) -> list[dict]:
         """Charge a reply's requests (tool rounds apart) and set its usage's cost from them (in
         place); the charges to reconcile once the reply is stored are returned."""
-        calls = turn.reply.calls
+        # Stopped before the answer's head arrived: billed all the same, and no id to ask about.
+        calls = turn.reply.calls or ([{}] if turn.requested else [])
         price = await self.price_of(turn.model)
         charges = []
         for n, call in enumerate(calls):
