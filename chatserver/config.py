@@ -233,6 +233,12 @@ class Settings(BaseSettings):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
 
+    @field_validator("default_monthly_budget", mode="before")
+    @classmethod
+    def _no_budget_when_empty(cls, value: object) -> object:
+        """`DEFAULT_MONTHLY_BUDGET=` (as .env.example has it) means no budget."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("trusted_proxies", mode="before")
     @classmethod
     def _split_proxies(cls, value: object) -> object:

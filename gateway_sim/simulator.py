@@ -1839,9 +1839,11 @@ class GatewaySimulator:
         """A success reply whose request is charged: on its end, however it ends."""
         model = body["model"]
         streamed = path == MESSAGES_PATH or bool(body.get("stream"))
-        prefix = "gen-" if self.billing == "openrouter" else ("msg_" if path == MESSAGES_PATH else "chatcmpl-")
-        meter, request_id = _Meter(_new_id(prefix), model), secrets.token_hex(16)
         usage = _resolve_usage(script, account, always=path == MESSAGES_PATH)
+        # Through OpenRouter ids are generation ids; a vLLM-style answer comes from a server that keeps no bill.
+        via_openrouter = self.billing == "openrouter" and (usage is None or usage.dialect != "vllm")
+        prefix = "gen-" if via_openrouter else ("msg_" if path == MESSAGES_PATH else "chatcmpl-")
+        meter, request_id = _Meter(_new_id(prefix), model), secrets.token_hex(16)
         if usage is not None and usage.cost is None and usage.dialect == "openrouter":
             # OpenRouter reports what it charged in every usage it sends.
             usage = dataclasses.replace(usage, cost=price_cost(self.price_of(model), usage.prompt, usage.cached,

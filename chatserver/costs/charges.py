@@ -15,8 +15,9 @@ from chatserver.costs.prices import Price
 
 # From the least to the most certain: a sum is as certain as its least certain part.
 CERTAINTY = ("unreported", "estimated", "priced", "reconciled", "reported")
-# Sources whose figure the gateway's own record should replace, when it keeps one.
-TO_RECONCILE = frozenset({"unreported", "estimated"})
+# Sources whose figure the gateway's own record should replace, when it keeps one: a figure the
+# gateway did not say (our price table's is a stand-in for a gateway that keeps no bill).
+TO_RECONCILE = frozenset({"unreported", "estimated", "priced"})
 KINDS = ("reply", "tool", "vision", "title", "summary")
 
 

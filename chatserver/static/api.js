@@ -54,6 +54,8 @@ export const api = {
   addModel: (id, tier, toolRuntime) =>
     request("POST", "/api/models", toolRuntime ? { id, tier, tool_runtime: toolRuntime } : { id, tier }),
   removeModel: (id) => request("DELETE", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`),
+  setPrice: (id, price) => request("PUT", `/api/prices/${id.split("/").map(encodeURIComponent).join("/")}`, price),
+  clearPrice: (id) => request("DELETE", `/api/prices/${id.split("/").map(encodeURIComponent).join("/")}`),
   presets: () => request("GET", "/api/presets"),
   tools: () => request("GET", "/api/tools"),
   createPreset: (preset) => request("POST", "/api/presets", preset),
