@@ -9,10 +9,12 @@ adding up to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 
 import pytest
+import redis as sync_redis
 
 from chatserver.config import Settings
 from gateway_sim.simulator import GatewaySimulator, Script, Sleep, StreamError, Text, ToolCall, Usage
@@ -287,3 +289,35 @@ async def test_budgets_and_other_peoples_usage_are_for_admins(tmp_path):
             mine = (await client.get("/api/usage", headers=boss)).json()
             assert mine["total"]["cost"] == 0 and mine["rows"] == []
             assert (await client.get("/api/usage", params={"from": "2026-13-01"}, headers=ann)).status_code == 422
+
+
+async def test_a_cost_one_server_left_waiting_is_reconciled_by_another(tmp_path, redis_server):
+    """STORE=redis: the gateway's record is late, the server that ran the turn stops; the next
+    server to start takes the waiting charge up and corrects the ledger and the conversation."""
+    url = f"{redis_server.url[:-2]}/7"
+    with contextlib.closing(sync_redis.Redis.from_url(url)) as r:
+        r.flushdb()
+    with GatewaySimulator(billing="openrouter", prices=PRICES, generation_delay=3600) as sim:
+        sim.enqueue(Script([Text("An answer whose usage never came.")], usage="omit"))
+        first = session_settings(sim, tmp_path / "a", auto_title=False, store="redis", redis_url=url)
+        async with serve(first) as (app, client):
+            costs = app.state.chat.turns.costs
+            costs.delays = (0.05, 0.05)  # gives up at once: the record is not there yet
+            conv = (await client.post("/api/conversations", json={})).json()
+            response = await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": "hi"})
+            assert parse_sse(response.text)[-1][0] == "done"
+            await costs.idle()
+            usage_before = (await client.get(f"/api/conversations/{conv['id']}")).json()["messages"][-1]["usage"]
+            assert usage_before["cost_source"] == "estimated"
+        sim.generation_delay = 0  # the gateway has written its record meanwhile
+        (bill,) = sim.bills
+        second = session_settings(sim, tmp_path / "b", auto_title=False, store="redis", redis_url=url)
+        async with serve(second) as (app, client):
+            await app.state.chat.turns.costs.idle()
+            after = (await client.get(f"/api/conversations/{conv['id']}")).json()
+            assert after["messages"][-1]["usage"]["cost_source"] == "reconciled"
+            assert after["messages"][-1]["usage"]["cost"] == bill.cost
+            assert after["totals"]["cost"] == bill.cost and after["totals"]["cost_sources"] == {"reconciled": bill.cost}
+            total = (await usage(client, group="model"))["total"]
+            assert total["cost_by_source"] == {"reconciled": bill.cost}
+            assert await app.state.chat.turns.costs.ledger.waiting() == []
