@@ -19,16 +19,27 @@ def empty_row(key: str) -> dict:
 
 
 def add(row: dict, charge: dict) -> None:
+    """One charge into a row; costs are summed unrounded (`finish` rounds them once)."""
     for name in SUMS:
         row[name] += charge.get(name) or 0
     row["requests"] += 1
-    row["turns"] += 1 if charge.get("turn") else 0
-    if charge.get("cost") is None:
+    if charge.get("turn"):
+        row["turns"] += 1
+    cost = charge.get("cost")
+    if cost is None:
         row["unreported"] += 1
     else:
-        row["cost"] = round(row["cost"] + charge["cost"], 10)
+        row["cost"] += cost
         sources = row["cost_by_source"]
-        sources[charge["source"]] = round(sources.get(charge["source"], 0) + charge["cost"], 10)
+        sources[charge["source"]] = sources.get(charge["source"], 0) + cost
+
+
+def finish(row: dict) -> dict:
+    row["cost"] = round(row["cost"], 10)
+    row["cost_by_source"] = {k: round(v, 10) for k, v in row["cost_by_source"].items()}
+    if "by_model" in row:
+        row["by_model"] = {k: round(v, 10) for k, v in row["by_model"].items()}
+    return row
 
 
 def key_of(charge: dict, group: str) -> str:
@@ -63,10 +74,11 @@ def report(charges: list[dict], group: str) -> dict:
         add(total, charge)
         if group == "day" and charge.get("cost") is not None:
             by_model = row.setdefault("by_model", {})
-            by_model[charge["model"]] = round(by_model.get(charge["model"], 0) + charge["cost"], 10)
-    ordered = sorted(rows.values(), key=lambda r: r["key"]) if group == "day" \
-        else sorted(rows.values(), key=lambda r: (-r["cost"], r["key"])) if group != "kind" else list(rows.values())
-    return {"rows": ordered, "total": total}
+            by_model[charge["model"]] = by_model.get(charge["model"], 0) + charge["cost"]
+    done = [finish(row) for row in rows.values()]
+    ordered = sorted(done, key=lambda r: r["key"]) if group == "day" \
+        else sorted(done, key=lambda r: (-r["cost"], r["key"])) if group != "kind" else done
+    return {"rows": ordered, "total": finish(total)}
 
 
 def _cell(value: object) -> str:
