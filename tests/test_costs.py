@@ -58,7 +58,7 @@ def session_responder(path: str, body: dict) -> Script | None:
 
 
 def session_settings(sim: GatewaySimulator, tmp_path, **extra) -> Settings:
-    options = {"auto_title": True, "context_budget_tokens": 1400, "keep_recent_messages": 2,
+    options = {"auto_title": True, "context_budget_tokens": 1500, "max_completion_tokens": 200, "keep_recent_messages": 2,
                "default_tool_runtime": "local", "summarizer_model": SUMMARIZER, **extra}
     return Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data", upstream_timeout=10,
                     **options)
