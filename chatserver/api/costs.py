@@ -59,6 +59,8 @@ async def usage(request: Request, state: StateDep, user: UserDep,
         raise HTTPException(422, f"the span may be at most {MAX_SPAN_DAYS} days")
     if (group == "person" or (person is not None and person != user.owner)) and not user.admin:
         raise HTTPException(403, "only an administrator may see other people's usage")
+    if person is not None:
+        _person(person)
     ledger = state.turns.costs.ledger
     if group == "person":
         owners = await ledger.owners() if person is None else [person]

@@ -210,8 +210,7 @@ class Costs:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # left waiting in the store for the next start
         await self.ledger.close()
 
     async def _reconcile(self, owner: str, charge_id: str) -> None:
