@@ -51,6 +51,9 @@ class Ledger(Protocol):
 
     async def month_spent(self, owner: str, month: str) -> float: ...
 
+    async def months(self, owner: str) -> list[str]:
+        """The months this person has charges in, oldest first."""
+
     async def owners(self) -> list[str]: ...
 
     async def wait_for_gateway(self, owner: str, charge_id: str) -> None:
@@ -126,6 +129,10 @@ class FileLedger:
 
     async def month_spent(self, owner: str, month: str) -> float:
         return spent(self._load(owner, month).values())
+
+    async def months(self, owner: str) -> list[str]:
+        folder = self._dir(owner)
+        return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
 
     async def owners(self) -> list[str]:
         if not self.root.is_dir():
@@ -214,6 +221,11 @@ class RedisLedger:
         raw = await self.redis.get(self._month_key(owner, month) + ":spent")
         return round(float(raw), 10) if raw else 0.0
 
+    async def months(self, owner: str) -> list[str]:
+        start = len(f"{self.prefix}ledger:{owner}:")
+        keys = [k async for k in self.redis.scan_iter(match=f"{self.prefix}ledger:{owner}:[0-9][0-9][0-9][0-9]-[0-9][0-9]")]
+        return sorted(k.decode()[start:] for k in keys)
+
     async def owners(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(f"{self.prefix}ledger:owners"))
 
@@ -237,3 +249,23 @@ class RedisLedger:
 
     async def close(self) -> None:
         return None
+
+
+SETTINGS = ("prices", "budgets", "waiting")
+
+
+async def copy_ledger(source: Ledger, target: Ledger) -> int:
+    """Every charge and setting of `source` into `target` (`server.py migrate`); running it again
+    changes nothing. Returns the charges copied."""
+    copied = 0
+    for owner in await source.owners():
+        for month in await source.months(owner):
+            for charge in await source.month(owner, month):
+                if await target.get(owner, charge["id"]) != charge:
+                    await target.put(owner, charge)
+                copied += 1
+    for name in SETTINGS:
+        value = await source.read_setting(name)
+        if value:
+            await target.write_setting(name, value)
+    return copied
