@@ -321,3 +321,20 @@ async def test_a_cost_one_server_left_waiting_is_reconciled_by_another(tmp_path,
             total = (await usage(client, group="model"))["total"]
             assert total["cost_by_source"] == {"reconciled": bill.cost}
             assert await app.state.chat.turns.costs.ledger.waiting() == []
+
+
+async def test_a_ledger_that_cannot_be_written_does_not_cost_the_reply(tmp_path, caplog):
+    with GatewaySimulator() as sim:
+        sim.enqueue(Script([Text("Kept all the same.")], usage=Usage(prompt=10, completion=4, cost=0.01,
+                                                                     dialect="openrouter")))
+        async with serve(session_settings(sim, tmp_path, auto_title=False)) as (app, client):
+            async def full_disk(owner: str, charge: dict) -> None:
+                raise OSError(28, "No space left on device")
+
+            app.state.chat.turns.costs.ledger.put = full_disk
+            conv = (await client.post("/api/conversations", json={})).json()
+            response = await client.post(f"/api/conversations/{conv['id']}/messages", json={"content": "hi"})
+            assert parse_sse(response.text)[-1][0] == "done"
+            stored = (await client.get(f"/api/conversations/{conv['id']}")).json()["messages"][-1]
+            assert stored["content"] == "Kept all the same." and stored["usage"]["cost"] == 0.01
+            assert "could not be written to the ledger" in caplog.text

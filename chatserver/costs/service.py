@@ -162,10 +162,15 @@ class Costs:
         return [charge]
 
     async def _record(self, owner: str, charges: list[dict]) -> None:
+        """Into the ledger; a ledger that cannot be written must not cost the person their reply."""
         for charge in charges:
-            await self.ledger.put(owner, charge)
-            if self._reconcilable(charge):
-                await self.ledger.wait_for_gateway(owner, charge["id"])
+            try:
+                await self.ledger.put(owner, charge)
+                if self._reconcilable(charge):
+                    await self.ledger.wait_for_gateway(owner, charge["id"])
+            except Exception:
+                log.exception("charge %s (%s, $%s) could not be written to the ledger", charge["id"],
+                              charge["model"], charge["cost"])
 
     # --- Reconciliation ----------------------------------------------------------------------
 
