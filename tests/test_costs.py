@@ -338,3 +338,13 @@ async def test_a_ledger_that_cannot_be_written_does_not_cost_the_reply(tmp_path,
             stored = (await client.get(f"/api/conversations/{conv['id']}")).json()["messages"][-1]
             assert stored["content"] == "Kept all the same." and stored["usage"]["cost"] == 0.01
             assert "could not be written to the ledger" in caplog.text
+
+
+async def test_the_usage_page_opens_without_a_session_and_its_data_does_not(tmp_path):
+    with GatewaySimulator() as sim:
+        async with serve(session_settings(sim, tmp_path, auth="password")) as (_, client):
+            page = await client.get("/usage")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert "default-src 'self'" in page.headers["content-security-policy"]
+            for path in ("/api/usage", "/api/usage/budget", "/api/usage/people", "/api/prices"):
+                assert (await client.get(path)).status_code == 401, path
