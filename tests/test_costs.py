@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import time
 
+import httpx
 import pytest
 import redis as sync_redis
 
 from chatserver.config import Settings
-from gateway_sim.simulator import GatewaySimulator, Script, Sleep, StreamError, Text, ToolCall, Usage
+from gateway_sim.simulator import GatewaySimulator, Script, Sleep, StreamError, Text, ToolCall, Usage, estimate_tokens
 from support import parse_sse, serve
 
 MODEL = "openai/gpt-5-mini"
@@ -348,3 +350,32 @@ async def test_the_usage_page_opens_without_a_session_and_its_data_does_not(tmp_
             assert "default-src 'self'" in page.headers["content-security-policy"]
             for path in ("/api/usage", "/api/usage/budget", "/api/usage/people", "/api/prices"):
                 assert (await client.get(path)).status_code == 401, path
+
+
+def test_the_simulator_bills_an_aborted_stream_up_to_where_it_stopped():
+    price = (2.0, 10.0, 0.2, 2.5)
+    with GatewaySimulator(billing="openrouter", prices={MODEL: price}, generation_delay=0.2) as sim:
+        sim.enqueue(Script([Text("one two three four five six"), Sleep(30), Text(" never sent")]))
+        body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "count"}]}
+        with httpx.stream("POST", f"{sim.base_url}/v1/chat/completions", json=body, timeout=10) as response:
+            for line in response.iter_lines():
+                if "six" in line:
+                    generation = json.loads(line.removeprefix("data: "))["id"]
+                    break  # hang up mid-stream, as Stop does
+        sim.wait_for_disconnect(0)
+        lookup = f"{sim.base_url}/api/v1/generation"
+        deadline = time.monotonic() + 10
+        while (answer := httpx.get(lookup, params={"id": generation})).status_code == 404:
+            assert time.monotonic() < deadline, "the record never appeared"
+            time.sleep(0.05)
+        (bill,) = sim.bills
+        sent = estimate_tokens("one two three four five six")
+        assert bill.cancelled and bill.completion == sent
+        data = answer.json()["data"]
+        assert data["id"] == generation and data["cancelled"] is True and data["tokens_completion"] == sent
+        assert data["total_cost"] == pytest.approx((bill.prompt * price[0] + sent * price[1]) / 1e6)
+        assert httpx.get(lookup, params={"id": "gen-unknown"}).status_code == 404
+        models = httpx.get(f"{sim.base_url}/api/v1/models").json()["data"]
+        assert models == [{"id": MODEL, "name": MODEL, "pricing": {
+            "prompt": "0.000002", "completion": "0.00001", "input_cache_read": "0.0000002",
+            "input_cache_write": "0.0000025", "request": "0", "image": "0"}}]
