@@ -215,6 +215,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             turns.costs.ledger = RedisLedger(shared.redis, shared.prefix) if shared is not None \
                 else FileLedger(active.data_dir)
             turns.costs.store = store
+            await turns.costs.published_prices()  # read in the background: no start waits for the gateway
             await turns.costs.resume()
             try:
                 yield

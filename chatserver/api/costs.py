@@ -123,7 +123,7 @@ def _person(person: str) -> str:
 async def prices(state: StateDep) -> dict:
     """Each priced model: USD per million tokens and whether an admin or the gateway set it."""
     return {model: {**price.as_json(), "source": source}
-            for model, (price, source) in (await state.turns.costs.prices()).items()}
+            for model, (price, source) in (await state.turns.costs.prices(wait=True)).items()}
 
 
 @router.put("/prices/{model_id:path}")

@@ -14,7 +14,7 @@ router = APIRouter(prefix="/api/models", tags=["models"])
 @router.get("", response_model=Lineup)
 async def list_models(state: StateDep) -> dict:
     lineup = await state.lineup()
-    prices = await state.turns.costs.prices()
+    prices = await state.turns.costs.prices(wait=True)
     return {
         "default": state.settings.default_model,
         "summarizer": state.settings.summarizer_model,

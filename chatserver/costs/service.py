@@ -68,6 +68,7 @@ class Costs:
         self.delays: tuple[float, ...] = RECONCILE_DELAYS
         self._published: dict[str, Price] = {}
         self._published_at = -math.inf
+        self._refreshing: asyncio.Task | None = None
         self._slots: asyncio.Semaphore | None = None
         self._tasks: set[asyncio.Task] = set()
         self._queued: set[tuple[str, str]] = set()
@@ -86,21 +87,29 @@ class Costs:
             stored[model] = price.as_json()
         await self.ledger.write_setting("prices", stored)
 
-    async def published_prices(self) -> dict[str, Price]:
-        """The gateway's model list's prices (OpenRouter's), read at most hourly; none when it has none."""
-        if time.monotonic() - self._published_at > PUBLISHED_PRICES_TTL:
-            self._published_at = time.monotonic()
-            try:
-                response = await self.gateway.client.get(self.gateway.url("/v1/models"), headers=self._auth(),
-                                                         timeout=10)
-                self._published = published_prices(response.json()) if response.status_code == 200 else {}
-            except (httpx.HTTPError, ValueError):
-                self._published = {}
+    async def refresh_prices(self) -> None:
+        """Read the gateway's model list's prices (OpenRouter's); none when it publishes none."""
+        try:
+            response = await self.gateway.client.get(self.gateway.url("/v1/models"), headers=self._auth(), timeout=10)
+            self._published = published_prices(response.json()) if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            pass  # unreachable now: the prices read before stay, and the next hour tries again
+        self._published_at = time.monotonic()
+
+    async def published_prices(self, *, wait: bool = False) -> dict[str, Price]:
+        """The gateway's prices as last read, read again in the background at most hourly. A turn
+        never waits for the gateway's model list (`wait`: a route that shows prices does)."""
+        if time.monotonic() - self._published_at > PUBLISHED_PRICES_TTL \
+                and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self.refresh_prices())
+        if wait and self._refreshing is not None and not self._refreshing.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._refreshing), 10)
         return self._published
 
-    async def prices(self) -> dict[str, tuple[Price, str]]:
+    async def prices(self, *, wait: bool = False) -> dict[str, tuple[Price, str]]:
         """Each priced model's price and where it came from (`admin` wins over `gateway`)."""
-        out = {model: (price, "gateway") for model, price in (await self.published_prices()).items()}
+        out = {model: (price, "gateway") for model, price in (await self.published_prices(wait=wait)).items()}
         out.update({model: (price, "admin") for model, price in (await self.admin_prices()).items()})
         return out
 
@@ -213,9 +222,10 @@ class Costs:
             await asyncio.wait(list(self._tasks))
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        running = [*self._tasks, *([self._refreshing] if self._refreshing is not None else [])]
+        for task in running:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # left waiting in the store for the next start
+        await asyncio.gather(*running, return_exceptions=True)  # charges are left waiting in the store for the next start
         await self.ledger.close()
 
     async def _reconcile(self, owner: str, charge_id: str) -> None:
