@@ -212,7 +212,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             turns.tool_runtime = app.state.chat.tool_runtime
             turns.lineup = app.state.chat.lineup
             # Charges live beside the conversations: on Redis every server reads and reconciles them.
-            turns.costs.ledger = RedisLedger(shared.redis, shared.prefix) if shared is not None \
+            turns.costs.ledger = RedisLedger(shared.redis, shared.prefix, shared.reachable) if shared is not None \
                 else FileLedger(active.data_dir)
             turns.costs.store = store
             await turns.costs.published_prices()  # read in the background: no start waits for the gateway

@@ -11,10 +11,11 @@ last line of an id winning. Small settings (prices, budgets) are JSON values bes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -193,11 +194,14 @@ return 1
 
 
 class RedisLedger:
-    """The ledger in the Redis every server shares (keys under the store's prefix)."""
+    """The ledger in the Redis every server shares (keys under the store's prefix). `reachable` is
+    the store's: Redis connection failures become StoreUnavailable, as for conversations."""
 
-    def __init__(self, redis, prefix: str) -> None:  # redis.asyncio.Redis
+    def __init__(self, redis, prefix: str,  # redis.asyncio.Redis
+                 reachable: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.redis = redis
         self.prefix = prefix
+        self.reachable = reachable
         self._put = redis.register_script(_PUT)
 
     def _month_key(self, owner: str, month: str) -> str:
@@ -206,46 +210,58 @@ class RedisLedger:
     async def put(self, owner: str, charge: dict) -> None:
         month = charge["id"].split(".", 1)[0]
         cost = "" if charge.get("cost") is None else repr(float(charge["cost"]))
-        await self._put(keys=[self._month_key(owner, month), self._month_key(owner, month) + ":spent",
-                              f"{self.prefix}ledger:owners"],
-                        args=[charge["id"], orjson.dumps(charge), cost, owner])
+        with self.reachable():
+            await self._put(keys=[self._month_key(owner, month), self._month_key(owner, month) + ":spent",
+                                  f"{self.prefix}ledger:owners"],
+                            args=[charge["id"], orjson.dumps(charge), cost, owner])
 
     async def get(self, owner: str, charge_id: str) -> dict | None:
-        raw = await self.redis.hget(self._month_key(owner, charge_id.split(".", 1)[0]), charge_id)
+        with self.reachable():
+            raw = await self.redis.hget(self._month_key(owner, charge_id.split(".", 1)[0]), charge_id)
         return orjson.loads(raw) if raw else None
 
     async def month(self, owner: str, month: str) -> list[dict]:
-        return [orjson.loads(raw) for raw in await self.redis.hvals(self._month_key(owner, month))]
+        with self.reachable():
+            return [orjson.loads(raw) for raw in await self.redis.hvals(self._month_key(owner, month))]
 
     async def month_spent(self, owner: str, month: str) -> float:
-        raw = await self.redis.get(self._month_key(owner, month) + ":spent")
+        with self.reachable():
+            raw = await self.redis.get(self._month_key(owner, month) + ":spent")
         return round(float(raw), 10) if raw else 0.0
 
     async def months(self, owner: str) -> list[str]:
         start = len(f"{self.prefix}ledger:{owner}:")
-        keys = [k async for k in self.redis.scan_iter(match=f"{self.prefix}ledger:{owner}:[0-9][0-9][0-9][0-9]-[0-9][0-9]")]
+        pattern = f"{self.prefix}ledger:{owner}:[0-9][0-9][0-9][0-9]-[0-9][0-9]"
+        with self.reachable():
+            keys = [k async for k in self.redis.scan_iter(match=pattern)]
         return sorted(k.decode()[start:] for k in keys)
 
     async def owners(self) -> list[str]:
-        return sorted(m.decode() for m in await self.redis.smembers(f"{self.prefix}ledger:owners"))
+        with self.reachable():
+            return sorted(m.decode() for m in await self.redis.smembers(f"{self.prefix}ledger:owners"))
 
     async def wait_for_gateway(self, owner: str, charge_id: str) -> None:
-        await self.redis.sadd(f"{self.prefix}ledger:waiting", f"{owner} {charge_id}")
+        with self.reachable():
+            await self.redis.sadd(f"{self.prefix}ledger:waiting", f"{owner} {charge_id}")
 
     async def settled(self, owner: str, charge_id: str) -> None:
-        await self.redis.srem(f"{self.prefix}ledger:waiting", f"{owner} {charge_id}")
+        with self.reachable():
+            await self.redis.srem(f"{self.prefix}ledger:waiting", f"{owner} {charge_id}")
 
     async def waiting(self) -> list[tuple[str, str]]:
-        members = await self.redis.smembers(f"{self.prefix}ledger:waiting")
+        with self.reachable():
+            members = await self.redis.smembers(f"{self.prefix}ledger:waiting")
         return [tuple(m.decode().split(" ", 1)) for m in members]
 
     async def read_setting(self, name: str) -> dict:
-        raw = await self.redis.get(f"{self.prefix}kv:costs:{name}")
+        with self.reachable():
+            raw = await self.redis.get(f"{self.prefix}kv:costs:{name}")
         value = orjson.loads(raw) if raw else {}
         return value if isinstance(value, dict) else {}
 
     async def write_setting(self, name: str, value: dict) -> None:
-        await self.redis.set(f"{self.prefix}kv:costs:{name}", orjson.dumps(value))
+        with self.reachable():
+            await self.redis.set(f"{self.prefix}kv:costs:{name}", orjson.dumps(value))
 
     async def close(self) -> None:
         return None

@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace) -> dict[str, int]:
 def ledger_of(store: Store, args: argparse.Namespace) -> Ledger:
     """The person's ledger kept beside the conversations of `store` (issue 28)."""
     if isinstance(store, RedisStore):
-        return RedisLedger(store.redis, store.prefix)
+        return RedisLedger(store.redis, store.prefix, store.reachable)
     return FileLedger(args.data_dir)
 
 
