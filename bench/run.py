@@ -1322,6 +1322,18 @@ def run_answers_bench(log) -> dict:
         log("  answers_bench.py ran over 600 s and was stopped")
         return {"answers_error": "answers_bench.py ran over 600 s"}
     return json.loads((BENCH / "results_answers.json").read_text())
+def run_costs_bench(log) -> dict:
+    """The costs benchmark (bench/costs_bench.py): what charging adds to a turn; the usage report and
+    the budget check over a month of charges."""
+    log("costs benchmark (bench/costs_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "costs_bench.py")], cwd=ROOT, timeout=600)
+        if done.returncode != 0:
+            log(f"  costs_bench.py exited with {done.returncode}")
+    except subprocess.TimeoutExpired:
+        log("  costs_bench.py ran over 600 s and was stopped")
+    path = BENCH / "results_costs.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def run_attachments_bench(log) -> dict:
@@ -1413,7 +1425,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3", "images", "vision", "render", "answers"],
+                                 "tools", "attachments", "s3", "images", "vision", "render", "answers", "costs"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1557,6 +1569,8 @@ def main() -> None:
         results.update(run_search_bench(log))
     if "tools" not in args.skip:
         results.update(run_tool_bench(log))
+    if "costs" not in args.skip:
+        results.update(run_costs_bench(log))
     if "attachments" not in args.skip:
         results.update(run_attachments_bench(log))
     if "answers" not in args.skip:

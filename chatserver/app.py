@@ -27,6 +27,7 @@ from chatserver.accounts.store import AccountStore
 from chatserver.api import attachments as attachment_routes
 from chatserver.api import auth as auth_routes
 from chatserver.api import conversations, memory, models, people, projects, quota, remote_images, sharing, site
+from chatserver.api import costs as cost_routes
 from chatserver.api import events as live
 from chatserver.api import exchange as exchange_routes
 from chatserver.api import presets as preset_routes
@@ -39,6 +40,7 @@ from chatserver.attachments.store import Attachments, Limits
 from chatserver.config import Settings, get_settings
 from chatserver.conversations import pii
 from chatserver.conversations.projects import ProjectNotFound
+from chatserver.costs.ledger import FileLedger, RedisLedger
 from chatserver.search.follow import StillBuilding, open_search
 from chatserver.store.files import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from chatserver.store.person_events import PersonEvents, RedisPersonEvents
@@ -214,6 +216,12 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
                 if active.auth == "password" else Accounts(active, account_store)
             turns.tool_runtime = app.state.chat.tool_runtime
             turns.lineup = app.state.chat.lineup
+            # Charges live beside the conversations: on Redis every server reads and reconciles them.
+            turns.costs.ledger = RedisLedger(shared.redis, shared.prefix, shared.reachable) if shared is not None \
+                else FileLedger(active.data_dir)
+            turns.costs.store = store
+            await turns.costs.published_prices()  # read in the background: no start waits for the gateway
+            await turns.costs.resume()
             try:
                 yield
             finally:
@@ -224,6 +232,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
                 await close_within("the person events", events.close())
                 if expiry is not None:
                     expiry.cancel()
+                await close_within("the cost reconciler", turns.costs.close())
                 await close_within("the store's pending writes", store.flush())
                 await close_within("the attachments", attachments.close())
                 await close_within("the search index", app.state.search.close())
@@ -240,7 +249,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes, live, quota, remote_images, projects, sharing, people):
+                   exchange_routes, live, quota, remote_images, projects, sharing, people, cost_routes):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app

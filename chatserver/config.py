@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     cache_ttl: Literal["5m", "1h"] = "5m"
     cache_history_breakpoint: bool = True
 
+    # Costs (issue 28): how a missing or estimated cost is asked of the gateway's own bill, and the
+    # monthly budget (USD) of a person an admin gave none; unset: no budget.
+    cost_reconcile: Literal["auto", "openrouter", "litellm", "off"] = "auto"
+    default_monthly_budget: float | None = Field(None, ge=0)
+
     search_max_uses: int = Field(3, ge=0)
     fetch_max_uses: int = Field(2, ge=0)
     pause_turn_max: int = Field(3, ge=0)
@@ -239,6 +244,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
+
+    @field_validator("default_monthly_budget", mode="before")
+    @classmethod
+    def _no_budget_when_empty(cls, value: object) -> object:
+        """`DEFAULT_MONTHLY_BUDGET=` (as .env.example has it) means no budget."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

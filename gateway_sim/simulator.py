@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -42,8 +42,8 @@ import tiktoken
 import uvicorn
 
 __all__ = [
-    "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "Hold", "ImageOut", "ImageSeen", "Raw",
-    "Reasoning",
+    "Bill", "CacheAccount", "CacheStats", "Cite", "Close", "Fetch", "GatewaySimulator", "Hold", "ImageOut", "ImageSeen",
+    "Raw", "Reasoning",
     "RecordedRequest", "Script", "Search", "Sleep", "StreamError", "Text", "ToolCall", "Usage", "cache_account",
     "errors", "estimate_tokens", "steps",
 ]
@@ -925,9 +925,11 @@ async def _pause(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
-async def _chat_stream(script: Script, model: str, usage: Usage | None, include_usage: bool) -> AsyncIterator[bytes]:
-    """The chat-completions SSE body for `script`."""
-    cid, created = _new_id("chatcmpl-"), int(time.time())
+async def _chat_stream(script: Script, model: str, usage: Usage | None, include_usage: bool,
+                       meter: _Meter | None = None) -> AsyncIterator[bytes]:
+    """The chat-completions SSE body for `script`; `meter` notes what went out, for the bill."""
+    meter = meter if meter is not None else _Meter(_new_id("chatcmpl-"), model)
+    cid, created = meter.id, int(time.time())
     # OpenRouter always sends usage; the others only when the request asked for it.
     send_usage = usage is not None and (include_usage or usage.dialect == "openrouter")
 
@@ -951,15 +953,18 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                 for piece in ([] if step.chunk_chars <= 0 else pieces):
                     await _pause(script.chunk_delay)
                     yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+                meter.sent.append(step.name + step.arguments_json())
                 calls += 1
             case Text():
                 for piece in _pieces(step.text, step.chunk_size):
                     await _pause(script.chunk_delay)
                     yield chunk({"content": piece})
+                    meter.sent.append(piece)
             case Reasoning():
                 for piece in _pieces(step.text, step.chunk_size):
                     await _pause(script.chunk_delay)
                     yield chunk({"content": None, step.field: piece})
+                    meter.sent.append(piece)
             case ImageOut():
                 url = f"data:{step.media_type};base64,{base64.b64encode(step.data).decode('ascii')}"
                 yield chunk({"images": [{"type": "image_url", "image_url": {"url": url}, "index": 0}]})
@@ -985,6 +990,7 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
                     "type": "server_error"})})
                 return
             # Search, Fetch and Cite: chat completions runs and bills server tools invisibly.
+    meter.finished = True
     yield chunk({}, _TO_CHAT_FINISH.get(script.finish_reason, script.finish_reason))
     if send_usage:
         yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -994,7 +1000,7 @@ async def _chat_stream(script: Script, model: str, usage: Usage | None, include_
     await _pause(script.end_delay)
 
 
-def _chat_completion_json(script: Script, model: str, usage: Usage | None) -> dict:
+def _chat_completion_json(script: Script, model: str, usage: Usage | None, completion_id: str | None = None) -> dict:
     """The non-streaming `chat.completion` object: text steps joined, reasoning beside them."""
     text = "".join(s.text for s in script.steps if isinstance(s, Text))
     reasoning = "".join(s.text for s in script.steps if isinstance(s, Reasoning))
@@ -1007,7 +1013,7 @@ def _chat_completion_json(script: Script, model: str, usage: Usage | None) -> di
     if reasoning:
         fields = {s.field for s in script.steps if isinstance(s, Reasoning)}
         message.update({f: reasoning for f in fields})
-    out = {"id": _new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
+    out = {"id": completion_id or _new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
            "choices": [{"index": 0, "message": message, "logprobs": None,
                         "finish_reason": _TO_CHAT_FINISH.get(script.finish_reason, script.finish_reason)}]}
     if usage is not None:
@@ -1081,11 +1087,13 @@ def _fetch_result(fetch: Fetch) -> dict:
                         "title": fetch.title, "citations": {"enabled": True}}}
 
 
-async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIterator[bytes]:
+async def _messages_stream(script: Script, model: str, usage: Usage,
+                           meter: _Meter | None = None) -> AsyncIterator[bytes]:
     """The Messages SSE body for `script`: message_start, blocks, message_delta, message_stop."""
+    meter = meter if meter is not None else _Meter(_new_id("msg_"), model)
     inputs = _anthropic_input_usage(usage)
     yield _sse({"type": "message_start", "message": {
-        "id": _new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": [],
+        "id": meter.id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {**inputs, "cache_creation": {"ephemeral_5m_input_tokens": usage.cache_write - usage.cache_write_1h,
                                                "ephemeral_1h_input_tokens": usage.cache_write_1h},
@@ -1104,6 +1112,7 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                     await _pause(script.chunk_delay)
                     yield blocks.delta({"type": "text_delta", "text": piece} if kind == "text"
                                        else {"type": "thinking_delta", "thinking": piece})
+                    meter.sent.append(piece)
             case ToolCall():
                 for frame in blocks.open({"type": "tool_use", "id": step.id or _new_id("toolu_"), "name": step.name,
                                           "input": {}}):
@@ -1113,6 +1122,7 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                     yield blocks.delta({"type": "input_json_delta", "partial_json": piece})
                 for frame in blocks.close():
                     yield frame
+                meter.sent.append(step.name + step.arguments_json())
             case Search():
                 searches += 0 if step.error_code else 1
                 for frame in _server_tool_frames(blocks, "web_search", {"query": step.query}, _search_result(step)):
@@ -1146,6 +1156,7 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                 return
     for frame in blocks.close():
         yield frame
+    meter.finished = True
     stop = _TO_MESSAGES_STOP.get(script.finish_reason, script.finish_reason)
     details = script.stop_details
     if details is None and stop == "refusal":
@@ -1157,6 +1168,66 @@ async def _messages_stream(script: Script, model: str, usage: Usage) -> AsyncIte
                "message_delta")
     yield _sse({"type": "message_stop"}, "message_stop")
     await _pause(script.end_delay)
+
+
+# --- Billing ------------------------------------------------------------------------------------
+
+GENERATION_PATHS = ("/v1/generation", "/api/v1/generation")
+MODELS_PATHS = ("/v1/models", "/api/v1/models")
+SPEND_LOGS_PATH = "/spend/logs"
+BILLING_MODES = frozenset({"openrouter", "litellm"})
+# USD per million tokens: input, output, cache read, cache write; for models `prices` does not name.
+DEFAULT_PRICE = (1.0, 4.0, 0.1, 1.25)
+
+
+@dataclass
+class _Meter:
+    """What one answered request has sent so far: the bill of a stream cut short counts only that."""
+
+    id: str
+    model: str
+    sent: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class Bill:
+    """The gateway's own record of one request, as OpenRouter's generation lookup and LiteLLM's spend logs tell it."""
+
+    id: str
+    request_id: str
+    model: str
+    prompt: int
+    cached: int
+    cache_write: int
+    completion: int
+    cost: float
+    streamed: bool
+    cancelled: bool
+    created_at: str
+    ended: float  # monotonic; the record is looked up only after `generation_delay`
+
+    def generation(self) -> dict:
+        """OpenRouter's `GET /api/v1/generation` `data`."""
+        return {"id": self.id, "total_cost": self.cost, "usage": self.cost, "model": self.model,
+                "created_at": self.created_at, "streamed": self.streamed, "cancelled": self.cancelled,
+                "tokens_prompt": self.prompt, "tokens_completion": self.completion,
+                "native_tokens_prompt": self.prompt, "native_tokens_completion": self.completion,
+                "native_tokens_cached": self.cached, "cache_discount": None, "provider_name": "Simulated",
+                "finish_reason": "cancelled" if self.cancelled else "stop", "upstream_id": self.request_id}
+
+    def spend_log(self) -> dict:
+        """A LiteLLM proxy spend-log row (`GET /spend/logs?request_id=`)."""
+        return {"request_id": self.request_id, "call_type": "acompletion", "spend": self.cost, "model": self.model,
+                "prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion, "startTime": self.created_at,
+                "cache_hit": "True" if self.cached else "False"}
+
+
+def price_cost(price: tuple[float, ...], prompt: int, cached: int, cache_write: int, completion: int) -> float:
+    """USD for these tokens at `price` (per million: input, output, cache read, cache write)."""
+    plain = max(0, prompt - cached - cache_write)
+    return round((plain * price[0] + completion * price[1] + cached * price[2] + cache_write * price[3]) / 1e6, 10)
 
 
 # --- Demo replies -----------------------------------------------------------------------------
@@ -1643,9 +1714,26 @@ class GatewaySimulator:
     def __init__(self, reasoning_models: Iterable[str] = frozenset(), cache_min_tokens: int = 1024,
                  cache_ttl_seconds: float = 300, *, keep_requests: int = DEFAULT_KEEP_REQUESTS,
                  string_system_only: bool = False, models: Iterable[str] = (),
-                 vision_models: Iterable[str] = KNOWN_VISION_MODELS) -> None:
+                 vision_models: Iterable[str] = KNOWN_VISION_MODELS, billing: str | None = None,
+                 prices: Mapping[str, tuple[float, float, float, float]] | None = None,
+                 publish_prices: bool = True, generation_delay: float = 0.0,
+                 responder: Callable[[str, Mapping], Script | None] | None = None) -> None:
         if keep_requests < 1:
             raise ValueError("keep_requests must be at least 1")
+        if billing is not None and billing not in BILLING_MODES:
+            raise ValueError(f"billing must be one of {sorted(BILLING_MODES)} or None, not {billing!r}")
+        # Billing: every answered request is charged (an aborted stream up to where it stopped) and
+        # kept in `bills`; "openrouter" reports the cost in its usage and answers the generation
+        # lookup, "litellm" sends x-litellm-call-id (and, on whole answers, x-litellm-response-cost)
+        # and answers spend logs. `generation_delay`: how long a record takes to become visible.
+        self.billing = billing
+        # Scripts chosen by the request itself (path, body), before the queue: a long session whose
+        # background calls (titles, summaries) would otherwise take each other's queued replies.
+        self.responder = responder
+        self.prices = dict(prices or {})
+        self.publish_prices = publish_prices
+        self.generation_delay = generation_delay
+        self._bills: dict[str, Bill] = {}
         self.reasoning_models = set(reasoning_models)
         # `GET /v1/models` lists these (OpenRouter's shape); a listed model outside `vision_models`
         # is answered as OpenRouter answers an image sent to a text-only model.
@@ -1760,13 +1848,25 @@ class GatewaySimulator:
         await self.stop_async()
 
     def model_list(self) -> dict:
-        """`GET /v1/models` as OpenRouter answers it (the fields a client reads)."""
+        """`GET /v1/models` as OpenRouter answers it (the fields a client reads): each model's input
+        modalities, and its prices (USD per token, as strings) when billing as OpenRouter."""
+        def per_token(usd_per_million: float) -> str:
+            return f"{usd_per_million / 1e6:.12f}".rstrip("0").rstrip(".") or "0"
+
+        priced = self.prices if self.billing == "openrouter" and self.publish_prices else {}
+
         def entry(model: str) -> dict:
             inputs = ["text", "image"] if model in self.vision_models else ["text"]
-            return {"id": model, "name": model, "architecture": {
+            out = {"id": model, "name": model, "architecture": {
                 "modality": "+".join(inputs) + "->text", "input_modalities": inputs, "output_modalities": ["text"]}}
+            if model in priced:
+                p = priced[model]
+                out["pricing"] = {"prompt": per_token(p[0]), "completion": per_token(p[1]),
+                                  "input_cache_read": per_token(p[2]), "input_cache_write": per_token(p[3]),
+                                  "request": "0", "image": "0"}
+            return out
 
-        return {"data": [entry(m) for m in sorted(self.models)]}
+        return {"data": [entry(m) for m in sorted(set(self.models) | set(priced))]}
 
     # Scripting and inspection
 
@@ -1834,9 +1934,60 @@ class GatewaySimulator:
                                + (f" (script error: {record.error})" if record.error else ""))
         return record
 
+    @property
+    def bills(self) -> list[Bill]:
+        """Every charged request, in the order its bill was settled."""
+        with self._lock:
+            return list(self._bills.values())
+
+    def billed_total(self) -> float:
+        """What the gateway charged, in USD."""
+        return round(sum(b.cost for b in self.bills), 10)
+
+    def price_of(self, model: str) -> tuple[float, float, float, float]:
+        return self.prices.get(model, DEFAULT_PRICE)
+
+    def _settle(self, meter: _Meter, usage: Usage | None, account: CacheAccount, *, streamed: bool,
+                request_id: str) -> Bill:
+        """The bill of one request: what the model produced up to where it stopped."""
+        prompt, cached, written = (usage.prompt, usage.cached, usage.cache_write) if usage is not None \
+            else (account.prompt_tokens, account.read, account.write)
+        if meter.finished and usage is not None:
+            completion = usage.completion
+        else:
+            completion = estimate_tokens("".join(meter.sent)) if meter.sent else 0
+        cost = usage.cost if meter.finished and usage is not None and usage.cost is not None \
+            else price_cost(self.price_of(meter.model), prompt, cached, written, completion)
+        bill = Bill(meter.id, request_id, meter.model, prompt, cached, written, completion, cost, streamed,
+                    not meter.finished, datetime.now(timezone.utc).isoformat(), time.monotonic())
+        with self._lock:
+            self._bills[bill.id] = bill
+        return bill
+
+    def _bill_for(self, key: str, value: str) -> Bill | None:
+        with self._lock:
+            found = next((b for b in self._bills.values() if getattr(b, key) == value), None)
+        if found is None or time.monotonic() - found.ended < self.generation_delay:
+            return None
+        return found
+
+    def _billing_answer(self, path: str, query: str) -> tuple[int, object] | None:
+        """The generation lookup and spend logs, when billing is on."""
+        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
+        if self.billing == "openrouter" and path in GENERATION_PATHS:
+            bill = self._bill_for("id", params.get("id", ""))
+            if bill is None:
+                return 404, {"error": {"message": f"Generation {params.get('id', '')} not found", "code": 404}}
+            return 200, {"data": bill.generation()}
+        if self.billing == "litellm" and path == SPEND_LOGS_PATH:
+            bill = self._bill_for("request_id", params.get("request_id", ""))
+            return 200, [] if bill is None else [bill.spend_log()]
+        return None
+
     def reset(self) -> None:
         """Forget queued scripts, recorded requests and cache state."""
         with self._lock:
+            self._bills.clear()
             self._queue.clear()
             self._per_model.clear()
             self._forever = None
@@ -1880,12 +2031,13 @@ class GatewaySimulator:
         if self.string_system_only and path == CHAT_PATH and any(
                 m.get("role") == "system" and not isinstance(m.get("content"), str) for m in body["messages"]):
             return _error_reply(path, errors.llamacpp_validation_500(body))
+        script = self.responder(path, body) if self.responder is not None else None
         with self._lock:
             for_model = self._per_model.get(body["model"])
-            if for_model:
+            if script is None and for_model:
                 script = for_model.popleft()
-            else:
-                script = self._queue.popleft() if self._queue else None
+            elif script is None and self._queue:
+                script = self._queue.popleft()
             forever = self._forever
         if script is None and forever is not None:
             script = forever[0] if _offers_tools(body) else forever[1]
@@ -1896,15 +2048,56 @@ class GatewaySimulator:
         if script is None:
             script = _demo_script(path, body, account, self.reasoning_models, self.cache_min_tokens,
                                   take=self._take(body))
-        return _success_reply(path, body, script, account)
+        if self.billing is None:
+            return _success_reply(path, body, script, account)
+        return self._billed_reply(path, body, script, account)
+
+    def _billed_reply(self, path: str, body: dict, script: Script, account: CacheAccount) -> _Reply:
+        """A success reply whose request is charged: on its end, however it ends."""
+        model = body["model"]
+        streamed = path == MESSAGES_PATH or bool(body.get("stream"))
+        usage = _resolve_usage(script, account, always=path == MESSAGES_PATH)
+        # Through OpenRouter ids are generation ids; a vLLM-style answer comes from a server that keeps no bill.
+        via_openrouter = self.billing == "openrouter" and (usage is None or usage.dialect != "vllm")
+        prefix = "gen-" if via_openrouter else ("msg_" if path == MESSAGES_PATH else "chatcmpl-")
+        meter, request_id = _Meter(_new_id(prefix), model), secrets.token_hex(16)
+        if usage is not None and usage.cost is None and usage.dialect == "openrouter":
+            # OpenRouter reports what it charged in every usage it sends.
+            usage = dataclasses.replace(usage, cost=price_cost(self.price_of(model), usage.prompt, usage.cached,
+                                                               usage.cache_write, usage.completion))
+        headers = {"x-litellm-call-id": request_id} if self.billing == "litellm" else {}
+        if not streamed:
+            meter.sent.append(_reply_texts(script)[0])
+            meter.finished = True
+            bill = self._settle(meter, usage, account, streamed=False, request_id=request_id)
+            if self.billing == "litellm":
+                headers["x-litellm-response-cost"] = repr(bill.cost)
+        script = dataclasses.replace(script, headers={**headers, **script.headers})
+        reply = _success_reply(path, body, script, account, usage=usage, meter=meter)
+        if streamed:
+            reply.body = self._metered(reply.body, meter, usage, account, request_id)
+        return reply
+
+    async def _metered(self, body: AsyncGenerator[bytes, None], meter: _Meter, usage: Usage | None,
+                       account: CacheAccount, request_id: str) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            await body.aclose()
+            self._settle(meter, usage, account, streamed=True, request_id=request_id)
 
     async def _asgi(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         started = time.monotonic()
         path, method = scope["path"], scope["method"]
-        if method == "GET" and path == MODELS_PATH:
+        if method == "GET" and path in MODELS_PATHS:
             await _send_whole(send, 200, self.model_list())
+            return
+        if method == "GET" and self.billing is not None \
+                and (answer := self._billing_answer(path, scope.get("query_string", b"").decode("latin-1"))):
+            await _send_whole(send, *answer)
             return
         if method == "GET" and path == STATS_PATH:
             with self._lock:
@@ -1961,20 +2154,22 @@ def _error_reply(path: str, script: Script) -> _Reply:
     return _Reply(script.status, headers, script.first_byte_delay, payload)
 
 
-def _success_reply(path: str, body: dict, script: Script, account: CacheAccount) -> _Reply:
-    """A 200: a Messages stream, a chat stream, or a whole chat completion."""
+def _success_reply(path: str, body: dict, script: Script, account: CacheAccount, *,
+                   usage: Usage | None | str = "resolve", meter: _Meter | None = None) -> _Reply:
+    """A 200: a Messages stream, a chat stream, or a whole chat completion (`usage` already resolved, if given)."""
     model = body["model"]
     sse = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+    resolved = _resolve_usage(script, account, always=path == MESSAGES_PATH) if usage == "resolve" else usage
+    assert not isinstance(resolved, str)
     if path == MESSAGES_PATH:
-        usage = _resolve_usage(script, account, always=True)
+        assert resolved is not None
         return _Reply(200, {**sse, "request-id": _request_id(), **script.headers}, script.first_byte_delay,
-                      _messages_stream(script, model, usage))
-    usage = _resolve_usage(script, account)
+                      _messages_stream(script, model, resolved, meter))
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return _Reply(200, {**sse, **script.headers}, script.first_byte_delay,
-                      _chat_stream(script, model, usage, include_usage))
-    payload = orjson.dumps(_chat_completion_json(script, model, usage))
+                      _chat_stream(script, model, resolved, include_usage, meter))
+    payload = orjson.dumps(_chat_completion_json(script, model, resolved, meter.id if meter else None))
     delay = script.first_byte_delay + sum(s.seconds for s in script.steps if isinstance(s, Sleep))
     return _Reply(200, {"content-type": "application/json", **script.headers, "content-length": str(len(payload))},
                   delay, payload)

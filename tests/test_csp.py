@@ -45,10 +45,11 @@ async def test_a_streamed_turn_carries_the_policy_too(client, api, sim):
 
 
 def test_the_page_has_no_inline_script_style_or_handler_the_policy_would_block():
-    html = (STATIC / "index.html").read_text(encoding="utf-8")
-    scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", html, re.S | re.I)
-    assert scripts and all('src="/static/' in attrs and not body.strip() for attrs, body in scripts)
-    assert not re.search(r"<style\b|\sstyle=|\son[a-z]+=|javascript:", html, re.I)
+    for page in STATIC.glob("*.html"):  # the chat page and the usage page (issue 28)
+        html = page.read_text(encoding="utf-8")
+        scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", html, re.S | re.I)
+        assert scripts and all('src="/static/' in attrs and not body.strip() for attrs, body in scripts), page.name
+        assert not re.search(r"<style\b|\sstyle=|\son[a-z]+=|javascript:", html, re.I), page.name
     for module in STATIC.glob("*.js"):
         source = module.read_text(encoding="utf-8")
         assert not re.search(r"\beval\(|new Function\(|setAttribute\(\s*[\"']style|innerHTML\s*=", source), module.name

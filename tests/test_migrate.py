@@ -10,6 +10,7 @@ from pathlib import Path
 import redis as sync_redis
 
 from chatserver.conversations.presets import Presets
+from chatserver.costs.ledger import FileLedger, RedisLedger
 from chatserver.store.files import SEAL_AFTER, FileStore
 from chatserver.store.redis import RedisStore
 from redis_support import unique_prefix
@@ -40,6 +41,14 @@ async def make_source(data_dir: Path) -> FileStore:
     await Presets(bob, ["remember"]).create("Tea", "You know tea.", ["remember"])
     await Presets(files.for_owner("carol"), []).create("Only presets", "Carol has nothing else.", [])
     await files.write_custom_models([{"id": "mine", "tier": "fast"}])
+    ledger = FileLedger(data_dir)  # issue 28: spend and its settings move with the conversations
+    for month, cost in (("2026-11", 0.5), ("2026-12", None)):
+        await ledger.put("bob", {"id": f"{month}.charge", "owner": "bob", "at": f"{month}-03T10:00:00+00:00",
+                                 "conversation": long["id"], "message": None, "model": "mine", "kind": "reply",
+                                 "turn": True, "input_tokens": 10, "cached_tokens": 0, "cache_write_tokens": 0,
+                                 "output_tokens": 2, "cost": cost, "source": "reported" if cost else "unreported",
+                                 "generation": None, "request": None})
+    await ledger.write_setting("budgets", {"bob": 5.0})
     await files.flush()
     assert (data_dir / "conversations" / f"{long['id']}.earlier").is_dir()  # the long one is sealed
     return files
@@ -53,7 +62,7 @@ async def test_round_trip_files_redis_files(tmp_path, redis_server):
     redis_args = ["--redis-url", redis_server.url, "--redis-prefix", prefix]
 
     out = run_migrate("--from", "files", "--to", "redis", "--data-dir", str(source_dir), *redis_args)
-    assert "3 conversations, 2 memories, 2 presets, 1 custom models" in out
+    assert "3 conversations, 2 memories, 2 presets, 1 custom models, 2 charges" in out
     r = sync_redis.Redis.from_url(redis_server.url)
     keys_once = sorted(r.scan_iter(match=f"{prefix}*"))
     lengths_once = {k: r.llen(k) for k in keys_once if k.endswith(b":messages")}
@@ -64,6 +73,9 @@ async def test_round_trip_files_redis_files(tmp_path, redis_server):
     r.close()
     store = RedisStore(redis_server.url, prefix=prefix)
     assert len(await store.for_owner("bob").list()) == 2
+    ledger = RedisLedger(store.redis, prefix)
+    assert await ledger.months("bob") == ["2026-11", "2026-12"]
+    assert await ledger.month_spent("bob", "2026-11") == 0.5  # twice migrated, counted once
     await store.close()
 
     run_migrate("--from", "redis", "--to", "files", "--data-dir", str(back_dir), *redis_args)
@@ -79,6 +91,10 @@ async def test_round_trip_files_redis_files(tmp_path, redis_server):
                      "models.json"):
         assert (back_dir / relative).read_bytes() == (source_dir / relative).read_bytes()
     assert sorted(p.name for p in (back_dir / "conversations").glob("*.json")) == sorted(before)
+    source_ledger, back_ledger = FileLedger(source_dir), FileLedger(back_dir)
+    for month in ("2026-11", "2026-12"):
+        assert await back_ledger.month("bob", month) == await source_ledger.month("bob", month)
+    assert await back_ledger.read_setting("budgets") == {"bob": 5.0}
 
 
 def test_bad_arguments_change_nothing(tmp_path):

@@ -14,6 +14,7 @@ router = APIRouter(prefix="/api/models", tags=["models"])
 @router.get("", response_model=Lineup)
 async def list_models(state: StateDep) -> dict:
     lineup = await state.lineup()
+    prices = await state.turns.costs.prices(wait=True)
     return {
         "default": state.settings.default_model,
         "summarizer": state.settings.summarizer_model,
@@ -21,7 +22,9 @@ async def list_models(state: StateDep) -> dict:
             {"tier": tier, "models": [
                 {"id": m.id, "label": m.label, "reasoning": m.reasoning, "custom": m.custom,
                  "cache_markers": m.id not in state.turns.plain_text_models, "tool_runtime": m.tool_runtime,
-                 "vision": m.vision}
+                 "vision": m.vision,
+                 "price": prices[m.id][0].as_json() if m.id in prices else None,
+                 "price_source": prices[m.id][1] if m.id in prices else None}
                 for m in lineup if m.tier == tier
             ]}
             for tier in TIERS

@@ -37,6 +37,16 @@ class Usage(TypedDict):
     searches: int
     fetches: int
     estimated: bool
+    # (issue 28) Where the cost came from, the least certain of its requests' sources, and each
+    # request's charge (its id in the person's ledger, its cost and source).
+    cost_source: NotRequired[Literal["reported", "reconciled", "priced", "estimated", "unreported"]]
+    charges: NotRequired[list[ChargeEntry]]
+
+
+class ChargeEntry(TypedDict):
+    id: str
+    cost: float | None
+    source: Literal["reported", "reconciled", "priced", "estimated", "unreported"]
 
 
 class Citation(TypedDict):
@@ -104,6 +114,8 @@ class Totals(TypedDict):
     title_output_tokens: NotRequired[int]
     compression_input_tokens: NotRequired[int]
     compression_output_tokens: NotRequired[int]
+    # (issue 28) How much of `cost` is of each source.
+    cost_sources: NotRequired[dict[str, float]]
 
 
 class ContextBar(TypedDict):
@@ -173,6 +185,16 @@ class ModelEntry(TypedDict):
     cache_markers: bool  # false: its server takes plain text only, so its prompt carries no cache marker
     tool_runtime: Literal["gateway", "local", "none"]
     vision: bool  # it reads images: a message's images go to it as image parts
+    # (issue 28) USD per million tokens, set by an admin or published by the gateway; null: none known.
+    price: NotRequired[PriceEntry | None]
+    price_source: NotRequired[Literal["admin", "gateway"] | None]
+
+
+class PriceEntry(TypedDict):
+    input: float
+    output: float
+    cache_read: float | None
+    cache_write: float | None
 
 
 class TierEntry(TypedDict):
@@ -391,3 +413,21 @@ class Login(Strict):
 
 class MemoryPut(Strict):
     text: StrictStr = Field(max_length=200_000)
+
+
+PerMillion = Annotated[float, Field(ge=0, le=10_000, allow_inf_nan=False, strict=True)]
+
+
+class PricePut(Strict):
+    """A model's price, USD per million tokens; cache prices default to the input price."""
+
+    input: PerMillion
+    output: PerMillion
+    cache_read: PerMillion | None = None
+    cache_write: PerMillion | None = None
+
+
+class BudgetPut(Strict):
+    """A person's monthly budget in USD; null: no budget at all (DELETE returns them to the default)."""
+
+    budget: Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False, strict=True)] | None

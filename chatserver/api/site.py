@@ -36,6 +36,12 @@ async def page() -> Response:
     return FileResponse(index, headers={"Cache-Control": "no-cache"})
 
 
+@router.get("/usage", include_in_schema=False)
+async def usage_page() -> Response:
+    """The usage page (issue 28): spend, tokens and budgets, drawn from GET /api/usage."""
+    return FileResponse(STATIC / "usage.html", headers={"Cache-Control": "no-cache"})
+
+
 @router.get("/healthz", response_model=Health)
 async def healthz(state: StateDep, request: Request) -> dict:
     configured = state.settings.gateway_configured

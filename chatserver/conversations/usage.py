@@ -23,10 +23,38 @@ def add_usage(totals: dict, usage: dict) -> None:
     """Conversation totals; a missing cost is counted as unreported, never as zero."""
     for key in TOTAL_KEYS:
         totals[key] = totals.get(key, 0) + (usage.get(key) or 0)
+    _add_cost(totals, usage, 1)
+
+
+def _source_parts(usage: dict) -> list[tuple[str, float]]:
+    """(source, cost) of each known part of a usage's cost; a record older than sources says `reported`."""
+    parts = usage.get("charges")
+    if not parts:
+        parts = [{"cost": usage.get("cost"),
+                  "source": usage.get("cost_source") or ("estimated" if usage.get("estimated") else "reported")}]
+    return [(p["source"], p["cost"]) for p in parts if p.get("cost") is not None]
+
+
+def _add_cost(totals: dict, usage: dict, sign: int) -> None:
     if usage.get("cost") is None:
-        totals["cost_unreported"] = totals.get("cost_unreported", 0) + 1
+        totals["cost_unreported"] = max(0, totals.get("cost_unreported", 0) + sign)
     else:
-        totals["cost"] = round(totals.get("cost", 0) + usage["cost"], 10)
+        totals["cost"] = round(totals.get("cost", 0) + sign * usage["cost"], 10)
+    # `cost_sources`: how much of `cost` is of each source (issue 28).
+    sources = totals.setdefault("cost_sources", {})
+    for source, cost in _source_parts(usage):
+        sources[source] = round(sources.get(source, 0) + sign * cost, 10)
+        if abs(sources[source]) < 1e-12:
+            del sources[source]
+
+
+def replace_cost(totals: dict, old: dict, new: dict, *, apart: str | None = None) -> None:
+    """The totals after one usage's cost was corrected (reconciled with the gateway's bill);
+    `apart`: the call's own running cost (`title_cost`, `compression_cost`) moves with it."""
+    _add_cost(totals, old, -1)
+    _add_cost(totals, new, 1)
+    if apart is not None:
+        totals[apart] = round(totals.get(apart, 0) + (new.get("cost") or 0) - (old.get("cost") or 0), 10)
 
 
 def count_reply(totals: dict, usage: dict) -> None:

@@ -71,6 +71,8 @@ export const api = {
     request("POST", "/api/models", { id, tier, vision, ...(toolRuntime ? { tool_runtime: toolRuntime } : {}) }),
   changeModel: (id, change) => request("PATCH", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`, change),
   removeModel: (id) => request("DELETE", `/api/models/${id.split("/").map(encodeURIComponent).join("/")}`),
+  setPrice: (id, price) => request("PUT", `/api/prices/${id.split("/").map(encodeURIComponent).join("/")}`, price),
+  clearPrice: (id) => request("DELETE", `/api/prices/${id.split("/").map(encodeURIComponent).join("/")}`),
   presets: () => request("GET", "/api/presets"),
   tools: () => request("GET", "/api/tools"),
   createPreset: (preset) => request("POST", "/api/presets", preset),

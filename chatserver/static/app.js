@@ -7,6 +7,7 @@ import { citationOf } from "./activity.js";
 import { api, upload } from "./api.js";
 import { startAuth } from "./auth.js";
 import { wireCompare } from "./compare.js";
+import { checkBudget } from "./budget.js";
 import { files, focusComposer, wireComposer } from "./composer.js";
 import {
   followAddress, hashId, newConversation, onConversation, onDeleted, openAt, openConversation, openLatest,
@@ -174,10 +175,17 @@ function wire() {
 async function boot() {
   wire();
   const readProjects = () => loadProjects().catch(showError);
-  listen({ conversation: onConversation, deleted: onDeleted, turn: onTurn, project: readProjects, reconnected: () => {
+  // A turn's cost counts toward the month's budget as it ends: the warning is read again then.
+  const budgetWarning = $("budget-warning");
+  const turnChanged = (event) => {
+    onTurn(event);
+    if (event.state === "ended") checkBudget(budgetWarning);
+  };
+  listen({ conversation: onConversation, deleted: onDeleted, turn: turnChanged, project: readProjects, reconnected: () => {
     reconnected();
     readProjects();
   } });
+  checkBudget(budgetWarning);
   const [health, presets, tools] = await Promise.all([
     api.health().catch(() => null),
     api.presets().catch(() => []),

@@ -322,10 +322,66 @@ export class SettingsPanel {
           remove.addEventListener("click", () => this.removeModel(model.id));
           li.append(remove);
         }
+        li.append(this.priceEditor(model));
         list.append(li);
       }
       group.append(h, list);
       wrap.append(group);
+    }
+  }
+
+  /**
+   * A model's price (USD per million tokens), for gateways that report no cost: shown as a line,
+   * edited by admins (the gateway's published price is the starting point; Clear returns to it).
+   */
+  priceEditor(model) {
+    const details = node("details", "lineup-price");
+    details.dataset.test = "model-price";
+    const p = model.price;
+    const summary = node("summary", null, p
+      ? `$${p.input} in / $${p.output} out per M tokens (${model.price_source === "admin" ? "set here" : "from the gateway"})`
+      : "no price (a cost the gateway does not report stays unknown)");
+    const form = node("form", "inline-form");
+    const fields = [["input", "Input"], ["output", "Output"], ["cache_read", "Cache read"], ["cache_write", "Cache write"]]
+      .map(([key, label]) => {
+        const input = document.createElement("input");
+        input.type = "number";
+        input.min = "0";
+        input.step = "any";
+        input.value = p?.[key] ?? "";
+        input.placeholder = key.startsWith("cache") ? "as input" : "";
+        input.dataset.test = `price-${key}`;
+        const wrap = node("label", null, `${label} `);
+        wrap.append(input);
+        return [key, input, wrap];
+      });
+    const save = node("button", "small primary", "Save price");
+    save.type = "submit";
+    const clear = node("button", "small", "Clear");
+    clear.type = "button";
+    form.append(...fields.map(([, , wrap]) => wrap), save, clear);
+    form.addEventListener("submit", async (e) => {
+      e.preventDefault();
+      const price = {};
+      for (const [key, input] of fields) {
+        if (input.value.trim() !== "") price[key] = Number(input.value);
+      }
+      await this.changePrice(model.id, () => api.setPrice(model.id, price), `Price of ${model.id} saved.`);
+    });
+    clear.addEventListener("click", () =>
+      this.changePrice(model.id, () => api.clearPrice(model.id), `Price of ${model.id} cleared.`));
+    details.append(summary, form);
+    return details;
+  }
+
+  async changePrice(id, change, done) {
+    try {
+      await change();
+      await this.app.modelsChanged();
+      this.renderLineup();
+      setStatus("models-status", done);
+    } catch (err) {
+      setStatus("models-status", err.message, true);
     }
   }
 

@@ -291,7 +291,10 @@ function statsLine(usage, model) {
   parts.push(`${cachedPercent(usage.cached_tokens, usage.input_tokens)} cached`);
   if (usage.searches) parts.push(`${usage.searches} ${usage.searches === 1 ? "search" : "searches"}`);
   if (usage.fetches) parts.push(`${usage.fetches} ${usage.fetches === 1 ? "fetch" : "fetches"}`);
-  parts.push(typeof usage.cost === "number" ? formatCost(usage.cost) : COST_UNKNOWN);
+  const cost = typeof usage.cost === "number" ? formatCost(usage.cost) : COST_UNKNOWN;
+  // Where a cost the gateway did not report came from (issue 28): our price table, or its bill afterwards.
+  const source = usage.cost_source;
+  parts.push(typeof usage.cost === "number" && (source === "priced" || source === "reconciled") ? `${cost} (${source})` : cost);
   if (usage.estimated) parts.push("estimated");
   return parts.join(" · ");
 }

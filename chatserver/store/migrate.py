@@ -24,6 +24,7 @@ from chatserver.attachments.blobs import BlobMissing, Blobs, BlobsUnavailable, F
 from chatserver.attachments.meta import AttachmentMeta, FileMeta, RedisMeta
 from chatserver.attachments.store import AttachmentNotFound, scope_of_key
 from chatserver.conversations.document import valid_id
+from chatserver.costs.ledger import FileLedger, Ledger, RedisLedger, copy_ledger
 from chatserver.store.files import OWNER_DOCUMENTS, FileStore, Store
 from chatserver.store.redis import RedisStore, StoreUnavailable
 
@@ -85,11 +86,19 @@ async def run(args: argparse.Namespace) -> dict[str, int]:
             opened[kind] = store = open_store(kind, args)
             await store.ping()
         copied = await migrate(opened[args.source], opened[args.target])
+        copied["charges"] = await copy_ledger(*(ledger_of(opened[kind], args) for kind in (args.source, args.target)))
         copied["attachments"] = await migrate_attachments_between(args)
         return {**copied, **await migrate_accounts(args, opened)}
     finally:
         for store in opened.values():
             await store.close()
+
+
+def ledger_of(store: Store, args: argparse.Namespace) -> Ledger:
+    """The person's ledger kept beside the conversations of `store` (issue 28)."""
+    if isinstance(store, RedisStore):
+        return RedisLedger(store.redis, store.prefix, store.reachable)
+    return FileLedger(args.data_dir)
 
 
 def default_data_dir() -> Path:

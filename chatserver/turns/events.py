@@ -97,6 +97,16 @@ class UsageReport:
 
 
 @dataclass(frozen=True, slots=True)
+class CallOpened:
+    """One upstream request was answered: `call` is its billing record (`{"generation", "request",
+    "header_cost"}`), the gateway's ids for it, which the client keeps filling in as the stream
+    names them, so a stream cut short still says which generation to ask the gateway about."""
+
+    call: dict
+    type: Literal["call"] = "call"
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """The upstream's own finish/stop reason, as sent (`stop`, `length`, `end_turn`, ...)."""
 
@@ -149,7 +159,8 @@ class ToolRound:
 
 Event = (
     TextDelta | ReasoningDelta | SearchStarted | SearchResults | FetchDone | CitationFound
-    | UsageReport | Finished | TurnWarning | ToolCallsRequested | ToolStep | ToolRound | ImageProduced | ImageAttached
+    | UsageReport | CallOpened | Finished | TurnWarning | ToolCallsRequested | ToolStep | ToolRound | ImageProduced
+    | ImageAttached
 )
 
 
@@ -241,6 +252,8 @@ class Reply:
     citations: list[dict] = field(default_factory=list)
     # One raw usage per upstream request: a paused tool turn makes several.
     usages: list[dict] = field(default_factory=list)
+    # One billing record per upstream request (CallOpened.call), its raw usage under "usage" once reported.
+    calls: list[dict] = field(default_factory=list)
     warnings: list[dict] = field(default_factory=list)
     # Finished tool rounds (ToolRound.round), stored with the reply as its hidden history.
     rounds: list[dict] = field(default_factory=list)
@@ -323,6 +336,10 @@ def accumulate(reply: Reply, event: Event, now: float | None = None) -> Reply:
             reply.attachment_ids.append(attachment["id"])
         case UsageReport(raw=raw):
             reply.usages.append(raw)
+            if reply.calls:
+                reply.calls[-1]["usage"] = raw
+        case CallOpened(call=call):
+            reply.calls.append(call)
         case Finished(reason=reason):
             reply.finish_reason = reason
         case TurnWarning(code=code, message=message):

@@ -45,6 +45,7 @@ from chatserver.conversations.document import new_id, now_iso, recover_interrupt
 from chatserver.conversations.presets import PresetNotFound, presets_for
 from chatserver.conversations.projects import Projects
 from chatserver.conversations.usage import add_usage, count_reply
+from chatserver.costs.service import Costs, has_images
 from chatserver.store.files import Change, NotFound, OwnerStore, StoreUnavailable, TurnLock
 from chatserver.tools import registry as tools
 from chatserver.turns import context, images, titles
@@ -189,6 +190,7 @@ class Turn:
     continues: dict | None = None
     # Compare: this turn is one of several answers to one message (`compare.Lane`).
     lane: Lane | None = None
+    vision: bool = False  # the prompt carried an image (its requests are charged as `vision`)
 
     @property
     def lock(self) -> TurnLock:
@@ -258,6 +260,8 @@ class Turns:
         self._naming: set[str] = set()  # conversations whose title call is under way
         # Images scaled for upstream, once each (the same image rides in every turn until folded).
         self.scaler = images.Scaler()
+        # The ledger every request is charged to, prices, reconciliation and budgets (issue 28).
+        self.costs = Costs(settings, gateway)
 
     async def begin(self, store: OwnerStore, conv_id: str, content: str | None,
                     parent_id: str | None | object = LEAF, *, attachment_ids: list[str] | None = None,
@@ -480,9 +484,13 @@ class Turns:
                 return
             request = titles.request(question["content"], reply["content"])
             usage = title = None
+            charges: list[dict] = []
             try:
-                text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS)
+                call: dict = {}
+                text, finish, raw = await self._ask_summarizer([{"role": "user", "content": request}], titles.MAX_TOKENS,
+                                                               call)
                 usage = context.normalize_usage(raw, sent_floor=context.count_tokens(request), output_text=text or "")
+                charges = await self.costs.call(store.owner, conv_id, "title", self.settings.summarizer_model, usage, call)
                 title = titles.parse(text, finish)
                 if title is not None and self.settings.pii_masking == "on":
                     title = pii.mask(title)[0]
@@ -501,17 +509,20 @@ class Turns:
                     c["title_source"] = "model"
 
             await store.update(conv_id, save)
+            self.costs.reconcile_soon(store.owner, charges)
         except NotFound:
             return
         except Exception:  # a title is a nicety: it must never surface as a failure
             log.exception("titling %s failed", conv_id)
 
-    async def _ask_summarizer(self, messages: list[dict], max_tokens: int) -> tuple[str, str, dict | None]:
-        """One non-streamed call to SUMMARIZER_MODEL."""
+    async def _ask_summarizer(self, messages: list[dict], max_tokens: int,
+                              call: dict | None = None) -> tuple[str, str, dict | None]:
+        """One non-streamed call to SUMMARIZER_MODEL; `call` receives its billing record."""
         model = self.settings.summarizer_model
         body = chat.build_body(model, [], messages, max_tokens=max_tokens,
                                params=self.settings.params_for(model), stream=False)
-        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key),
+                                                                call))
 
     async def _opened(self, turn: Turn) -> None:
         """Wait for the opening write; if it failed, nothing of this turn may be stored."""
@@ -533,8 +544,9 @@ class Turns:
         turn's, and counted apart as compression cost.
         """
         named = {aid: f"{m['name']} ({image_words(m)})" for aid, m in (await self.conversation_images(conv_id)).items()}
-        result = await context.compress(await store.get(conv_id), self.settings, self._summarize, pending=pending,
-                                        images=named)
+        call: dict = {}
+        result = await context.compress(await store.get(conv_id), self.settings,
+                                        functools.partial(self._summarize, call=call), pending=pending, images=named)
         if not result.history:
             return result.event(0)
         facts = list(result.facts)
@@ -552,6 +564,8 @@ class Turns:
             await store.write_memory(context.merge_facts(memory, fresh)[0])
         data = {**result.event(0 if review else len(fresh)), "facts": fresh, "facts_pending": bool(review and fresh)}
         notice = result.notice(data)
+        charges = [] if result.usage is None else await self.costs.call(
+            store.owner, conv_id, "summary", self.settings.summarizer_model, result.usage, call, message_id=notice["id"])
 
         def save(c: dict) -> None:
             result.apply(c, notice, pending=pending)
@@ -563,6 +577,7 @@ class Turns:
                 totals["compression_cost"] = round(totals["compression_cost"] + (result.usage["cost"] or 0), 10)
 
         await store.update(conv_id, save, lock=lock)
+        self.costs.reconcile_soon(store.owner, charges)
         return {**data, "notice": notice}
 
     async def review_facts(self, store: OwnerStore, conv_id: str, notice_id: str, keep: list[str]) -> dict:
@@ -599,12 +614,9 @@ class Turns:
         async with await Claim.take(store, conv_id) as claim:
             return await self.compress(store, conv_id, pending=False, lock=claim.lock)
 
-    async def _summarize(self, messages: list[dict]) -> tuple[str, str, dict | None]:
+    async def _summarize(self, messages: list[dict], call: dict | None = None) -> tuple[str, str, dict | None]:
         """One non-streamed call to SUMMARIZER_MODEL, capped at SUMMARY_MAX_TOKENS."""
-        model = self.settings.summarizer_model
-        body = chat.build_body(model, [], messages, max_tokens=self.settings.summary_max_tokens,
-                               params=self.settings.params_for(model), stream=False)
-        return chat.read_completion(await self.gateway.complete(chat.PATH, body, chat.auth_headers(self.gateway.api_key)))
+        return await self._ask_summarizer(messages, self.settings.summary_max_tokens, call)
 
     async def run(self, turn: Turn) -> AsyncIterator[TurnEvent]:
         """The turn's events; `done` comes only after the reply is saved."""
@@ -612,6 +624,7 @@ class Turns:
         user_id = turn.user_message["id"] if turn.user_message else None
         try:
             yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
+            await self.costs.admit(turn.store.owner)
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
             vision = await self.sees(turn.model)
@@ -637,6 +650,7 @@ class Turns:
                                               attachments=files, project=project,
                                               extras=await self._image_extras(turn, conv, found, vision))
                 turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
+                turn.vision = has_images(prompt.messages)
                 try:
                     turn.requested = True
                     # A model that cannot see is offered the vision tool, when there is an image to look at.
@@ -693,6 +707,7 @@ class Turns:
             with anyio.CancelScope(shield=True):
                 try:
                     await self._save(turn, "interrupted")
+                    await self.costs.leftovers(turn)
                 except StoreUnavailable as exc:  # the person was already told
                     log.warning("turn on %s ended while the store was unreachable: %s", turn.conv_id, exc)
                 await turn.claim.release()
@@ -866,6 +881,7 @@ class Turns:
         reply.end_running_tools()
         sent_floor = await asyncio.shield(turn.counting) if turn.counting is not None else 0
         usage, reports = reply_usage(turn, sent_floor)
+        charges = await self.costs.reply(turn, usage, sent_floor)
         message = reply_message(turn, status, usage, error=error)
 
         # Facts the model proposed follow the reply, so they leave the path with it (a regenerate).
@@ -894,6 +910,7 @@ class Turns:
             await turn.store.update(turn.conv_id, append, lock=turn.lock)
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
+        self.costs.reconcile_soon(turn.store.owner, charges)
         return message
 
 

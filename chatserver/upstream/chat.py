@@ -155,6 +155,8 @@ class ChatDecoder:
 
     def __init__(self) -> None:
         self.finished = False
+        # The response's id, OpenRouter's generation id (`gen-...`): its bill can be looked up by it.
+        self.generation_id: str | None = None
         self._finish: str | None = None
         self._refusal = ""
         # {"id", "name", "arguments": [pieces]} in arrival order; joined once at the end, since
@@ -167,6 +169,8 @@ class ChatDecoder:
             self.finished = True
             return []
         chunk = parse_object(record.data)
+        if self.generation_id is None and isinstance(chunk.get("id"), str):
+            self.generation_id = chunk["id"][:200]
         if chunk.get("error"):
             raise classify_stream_error(chunk)
         events: list[Event] = []

@@ -17,7 +17,7 @@ import anyio
 import httpx
 import orjson
 
-from chatserver.turns.events import Event
+from chatserver.turns.events import CallOpened, Event
 from chatserver.upstream.failures import UpstreamError, classify_exception, classify_http, redact
 from chatserver.upstream.sse import SSEDecoder, SSERecord
 
@@ -60,11 +60,15 @@ class Gateway:
     async def stream(self, path: str, body: dict, headers: dict, decoder: Decoder) -> AsyncIterator[Event]:
         """The decoded events of one streamed call; closing the iterator closes the socket (Stop)."""
         response = await self._open(path, body, headers)
+        call = billing_record(response.headers)
         try:
+            yield CallOpened(call)
             records = self._records(response)
             async for record in records:
                 for event in decoder.feed(record):
                     yield event
+                if call["generation"] is None:
+                    call["generation"] = getattr(decoder, "generation_id", None)
                 if decoder.finished:
                     await _drain(records)
                     break
@@ -74,8 +78,8 @@ class Gateway:
         for event in decoder.end():
             yield event
 
-    async def complete(self, path: str, body: dict, headers: dict) -> dict:
-        """One non-streamed call's JSON object."""
+    async def complete(self, path: str, body: dict, headers: dict, call: dict | None = None) -> dict:
+        """One non-streamed call's JSON object; `call`, when given, receives its billing record."""
         try:
             response = await self.client.post(self.url(path), content=orjson.dumps(body),
                                               headers={"content-type": "application/json", **headers})
@@ -89,6 +93,8 @@ class Gateway:
             raise UpstreamError("upstream", "The gateway answered with something that is not JSON.") from None
         if not isinstance(data, dict):
             raise UpstreamError("upstream", "The gateway answered with JSON that is not an object.")
+        if call is not None:
+            call.update(billing_record(response.headers), generation=data["id"] if isinstance(data.get("id"), str) else None)
         return data
 
     async def _open(self, path: str, body: dict, headers: dict) -> httpx.Response:
@@ -118,6 +124,19 @@ class Gateway:
                     yield record
         except httpx.HTTPError as exc:
             raise classify_exception(exc) from exc
+
+
+def billing_record(headers: httpx.Headers) -> dict:
+    """A request's ids as the gateway gave them in its answer's head: LiteLLM's call id and, on a
+    whole (non-streamed) answer, its cost; the generation id comes from the body."""
+    try:
+        header_cost: float | None = float(headers["x-litellm-response-cost"])
+    except (KeyError, ValueError):
+        header_cost = None
+    if header_cost is not None and not (0 <= header_cost < 1e6):
+        header_cost = None
+    request = headers.get("x-litellm-call-id")
+    return {"generation": None, "request": request[:200] if request else None, "header_cost": header_cost}
 
 
 async def _drain(rest: AsyncIterator) -> None:

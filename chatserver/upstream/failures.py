@@ -21,10 +21,11 @@ from typing import Literal
 import httpx
 import orjson
 
-Kind = Literal["auth", "rate_limited", "context_overflow", "refused", "model_unavailable", "upstream"]
+Kind = Literal["auth", "rate_limited", "context_overflow", "refused", "model_unavailable", "upstream", "budget"]
 
 RETRYABLE: dict[str, bool] = {
     "auth": False,
+    "budget": False,  # the person's monthly budget is spent (issue 28): not until it resets or is raised
     "rate_limited": True,
     "context_overflow": True,
     "refused": False,

@@ -210,6 +210,7 @@ class MessagesDecoder:
     def __init__(self, tool_inputs: dict[str, dict] | None = None) -> None:
         self.tool_inputs = {} if tool_inputs is None else tool_inputs
         self.usage: dict = {}
+        self.generation_id: str | None = None  # the message id (a generation id through OpenRouter)
         self.stop_reason: str | None = None
         self.stop_detail = ""
         self.finished = False
@@ -239,6 +240,8 @@ class MessagesDecoder:
         match kind:
             case "message_start":
                 message = _member(obj, "message", dict, kind)
+                if isinstance(message.get("id"), str):
+                    self.generation_id = message["id"][:200]
                 self.usage = _merge(self.usage, _member(message, "usage", dict, "message"))
             case "content_block_start":
                 return self._start(_index(obj), copy.deepcopy(_member(obj, "content_block", dict, kind)))
