@@ -62,7 +62,7 @@ async def test_round_trip_files_redis_files(tmp_path, redis_server):
     redis_args = ["--redis-url", redis_server.url, "--redis-prefix", prefix]
 
     out = run_migrate("--from", "files", "--to", "redis", "--data-dir", str(source_dir), *redis_args)
-    assert "3 conversations, 2 memories, 2 presets, 1 custom models, 2 charges" in out
+    assert "3 conversations, 2 memories, 2 presets, 1 custom models" in out and "2 charges" in out
     r = sync_redis.Redis.from_url(redis_server.url)
     keys_once = sorted(r.scan_iter(match=f"{prefix}*"))
     lengths_once = {k: r.llen(k) for k in keys_once if k.endswith(b":messages")}

@@ -140,6 +140,13 @@ class Costs:
                                 counts_turn=last)
             call["charge"] = charge["id"]
             charges.append(charge)
+        # A tool's own model call (analyze_image asks VISION_MODEL) is this reply's request too.
+        for step in turn.reply.activity:
+            asked = step.get("usage") if step.get("kind") == "tool" else None
+            if isinstance(asked, dict) and asked.get("model"):
+                charges.append(new_charge(
+                    owner=turn.store.owner, conv_id=turn.conv_id, message_id=turn.assistant_id, model=asked["model"],
+                    kind="vision", usage=asked, call=None, price=await self.price_of(asked["model"])))
         await self._record(turn.store.owner, charges)
         set_cost(usage, [entry(c) for c in charges])
         return charges
