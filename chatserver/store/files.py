@@ -422,6 +422,12 @@ class Store(Protocol):
 
     async def write_custom_models(self, models: list[dict]) -> None: ...
 
+    async def read_mcp_servers(self) -> list[dict]:
+        """The MCP servers admins added in the page (tools/mcp.py checks each entry)."""
+        ...
+
+    async def write_mcp_servers(self, servers: list[dict]) -> None: ...
+
     async def flush(self) -> None:
         """Wait until every acknowledged change is durable (at shutdown)."""
 
@@ -498,6 +504,7 @@ class FileStore:
         self.root = Path(data_dir)
         self.conversations_dir = self.root / "conversations"
         self.models_path = self.root / "models.json"
+        self.mcp_path = self.root / "mcp_servers.json"
         self.conversations_dir.mkdir(parents=True, exist_ok=True)
         self.before_write = before_write
         self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
@@ -842,6 +849,21 @@ class FileStore:
 
     async def write_custom_models(self, models: list[dict]) -> None:
         atomic_write(self.models_path, _dumps(models))
+
+    async def read_mcp_servers(self) -> list[dict]:
+        try:
+            data = orjson.loads(read_small_file(self.mcp_path))
+        except FileNotFoundError:
+            return []
+        except (OSError, orjson.JSONDecodeError) as exc:
+            log.warning("ignoring damaged %s: %s", self.mcp_path.name, exc)
+            return []
+        return [s for s in data if isinstance(s, dict)] if isinstance(data, list) else []
+
+    async def write_mcp_servers(self, servers: list[dict]) -> None:
+        # Not _dumps: the header values admins gave are what reaches the servers, so the one place
+        # they are kept is not redacted (they are kept secret everywhere else, mcp.py).
+        atomic_write(self.mcp_path, orjson.dumps(servers, option=orjson.OPT_INDENT_2))
 
 
 class FileOwnerStore:

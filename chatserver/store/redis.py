@@ -605,6 +605,22 @@ class RedisStore:
         with self.reachable():
             await self.redis.set(f"{self.prefix}models", orjson.dumps(models))
 
+    async def read_mcp_servers(self) -> list[dict]:
+        with self.reachable():
+            raw = await self.redis.get(f"{self.prefix}mcp_servers")
+        try:
+            data = orjson.loads(raw) if raw else []
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, list):
+            log.warning("ignoring damaged MCP servers in Redis")
+            return []
+        return [s for s in data if isinstance(s, dict)]
+
+    async def write_mcp_servers(self, servers: list[dict]) -> None:
+        with self.reachable():
+            await self.redis.set(f"{self.prefix}mcp_servers", orjson.dumps(servers))
+
     # Small JSON values for other modules (accounts, sessions): the seam they build on.
     def _kv_key(self, key: str) -> str:
         if not isinstance(key, str) or not KV_KEY.fullmatch(key):
