@@ -27,6 +27,18 @@ def add(a: int, b: int) -> str:
 
 
 @server.tool()
+def multiply(a: int, b: int) -> str:
+    """Multiply two whole numbers."""
+    return str(a * b)
+
+
+@server.tool()
+def upper(text: str) -> str:
+    """The text in capitals."""
+    return text.upper()
+
+
+@server.tool()
 def echo(text: str) -> str:
     """Say the text back."""
     return f"echo: {text}"
