@@ -30,6 +30,9 @@ Then one STORE=redis server with WORKERS=1 and then one with WORKERS=2 (`make ru
 turn): the turn starts per second each sustains with p99 added time to first token under 100 ms,
 and their ratio (`phase_workers`).
 
+`bench/mcp_bench.py` times a tool round through a real MCP server (Streamable HTTP and stdio)
+beside one through a local tool (the `mcp_*` keys, from `results_mcp.json`).
+
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
 Every load loop is bounded by a request count and a phase deadline, and targets only 127.0.0.1.
@@ -1054,6 +1057,8 @@ def verdict(results: dict) -> list[str]:
     checks = [
         ("p50 added TTFB at 1 stream ≤ 3 ms", results.get("ttfb_added_p50_ms_1"), lambda v: v <= 3.0),
         ("p50 tool round added < 2 ms", results.get("tool_round_added_ms_p50"), lambda v: v < 2.0),
+        ("p50 MCP round (Streamable HTTP, loopback) adds < 10 ms over a local tool's",
+         results.get("mcp_http_round_added_ms_p50"), lambda v: v < 10.0),
         ("p50 added TTFB at 1 stream below LiteLLM's", results.get("ttfb_added_p50_ms_1"),
          (lambda v: v < litellm) if litellm is not None else None),
         ("every stream completes at 200", results.get("streams_completed_200"),
@@ -1236,6 +1241,13 @@ def write_markdown(results: dict, labels: dict[str, str], overhead: dict, sustai
                   "Targets: `search_p50_ms` < 50 over 1,000 conversations / 100,000 messages; "
                   "`index_update_p50_ms` (a turn's save) < 2.", "", "| key | value |", "|---|---|"]
         lines += [f"| `{k}` | {fmt(results[k])} |" for k in search_keys]
+    mcp_keys = [k for k in results if k.startswith("mcp_")]
+    if mcp_keys:
+        lines += ["", "## MCP tool rounds (from `bench/mcp_bench.py`)", "",
+                  "A round through a real MCP server on loopback (Streamable HTTP, stdio) beside one through a "
+                  "local tool, turns alternating; `*_added_ms_p50` is the difference of the medians.", "",
+                  "| key | value |", "|---|---|"]
+        lines += [f"| `{k}` | {fmt(results[k])} |" for k in mcp_keys]
     lines += ["", f"Idle server RSS before load: {fmt(m.get('rss_mb_idle'))} MB. All keys: `bench/results.json`.", ""]
     generated = "\n".join(lines)
     path = BENCH / "RESULTS.md"
@@ -1303,6 +1315,22 @@ def run_tool_bench(log) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def run_mcp_bench(log) -> dict:
+    """The MCP tool-round benchmark (bench/mcp_bench.py): what a round through an MCP server (over
+    Streamable HTTP, over stdio) adds over a round through a local tool."""
+    log("MCP tool-round benchmark (bench/mcp_bench.py)")
+    try:
+        done = subprocess.run([PY, str(BENCH / "mcp_bench.py")], cwd=ROOT, timeout=600, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            log(f"  mcp_bench.py exited with {done.returncode}")
+            return {"mcp_error": f"mcp_bench.py exited with {done.returncode}"}
+    except subprocess.TimeoutExpired:
+        log("  mcp_bench.py ran over 600 s and was stopped")
+        return {"mcp_error": "mcp_bench.py ran over 600 s"}
+    path = BENCH / "results_mcp.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def run_attachments_bench(log) -> dict:
     """The attachment benchmark (bench/attachments_bench.py): a 300-page PDF's ingest rate beside the
     raw library's, search over 10,000 passages, and the gaps of 50 streams while that PDF uploads."""
@@ -1344,7 +1372,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3"],
+                                 "tools", "mcp", "attachments", "s3"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1488,6 +1516,8 @@ def main() -> None:
         results.update(run_search_bench(log))
     if "tools" not in args.skip:
         results.update(run_tool_bench(log))
+    if "mcp" not in args.skip:
+        results.update(run_mcp_bench(log))
     if "attachments" not in args.skip:
         results.update(run_attachments_bench(log))
     if "s3" not in args.skip:
