@@ -1,6 +1,7 @@
 """A real MCP server for the tests and the benchmark, built with the `mcp` SDK.
 
     python tests/mcp_server.py http PORT     Streamable HTTP on 127.0.0.1:PORT/mcp
+    python tests/mcp_server.py sse PORT      the older SSE transport on 127.0.0.1:PORT/sse
     python tests/mcp_server.py stdio         over stdin/stdout
 
 With MCP_DEMO_TOKEN set, HTTP requests must carry `X-Token: <that value>` (a secret header the
@@ -90,7 +91,7 @@ def main() -> None:
         return
     import uvicorn
 
-    app = server.streamable_http_app(host="127.0.0.1")
+    app = server.sse_app(host="127.0.0.1") if sys.argv[1] == "sse" else server.streamable_http_app(host="127.0.0.1")
     token = os.environ.get("MCP_DEMO_TOKEN")
     uvicorn.run(checked(app, token) if token else app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
                 lifespan="on")

@@ -15,18 +15,19 @@ SECRET = "tok-9f2c41d7e8a6b3"
 
 
 class McpServer:
-    """tests/mcp_server.py over Streamable HTTP in a child process, killed and restarted by pid."""
+    """tests/mcp_server.py over Streamable HTTP (or SSE) in a child process, killed and restarted by pid."""
 
-    def __init__(self, port: int, token: str | None = None) -> None:
+    def __init__(self, port: int, token: str | None = None, transport: str = "http") -> None:
         self.port = port
-        self.url = f"http://127.0.0.1:{port}/mcp"
+        self.transport = transport
+        self.url = f"http://127.0.0.1:{port}/{'sse' if transport == 'sse' else 'mcp'}"
         self.token = token
         self.process: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         env = {"MCP_DEMO_TOKEN": self.token} if self.token else {}
-        self.process = subprocess.Popen([sys.executable, str(SERVER), "http", str(self.port)],
+        self.process = subprocess.Popen([sys.executable, str(SERVER), self.transport, str(self.port)],
                                         env={**_env(), **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

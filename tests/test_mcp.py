@@ -17,7 +17,7 @@ from chatserver.config import Settings
 from chatserver.tools import registry as tools
 from gateway_sim.simulator import Script, steps
 from mcp_support import SECRET, SERVER, McpServer
-from support import free_port, names, parse_sse
+from support import free_port, names, parse_sse, serve
 
 
 @pytest.fixture
@@ -281,3 +281,30 @@ async def test_admins_add_and_remove_http_servers_never_stdio_ones(client, app, 
     assert (await client.delete("/api/tools/servers/again")).status_code == 404
     listed = {t["name"] for t in (await client.get("/api/tools")).json()}
     assert "again__add" not in listed and "demo__add" in listed
+
+
+async def test_an_sse_server_is_listed_called_and_followed_through_notifications(tmp_path, sim):
+    """The older SSE transport (and the 2025 protocol's `tools/list_changed` notification)."""
+    sse = McpServer(free_port(), transport="sse")
+    try:
+        listing = tmp_path / "mcp.json"
+        listing.write_text(json.dumps([{"name": "old", "url": sse.url, "transport": "sse"}]))
+        settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data",
+                            upstream_timeout=5, default_tool_runtime="local", mcp_servers=listing, mcp_timeout=10)
+        async with serve(settings) as (_, client):
+            async def up():
+                return (await server_state(client, "old"))["connected"]
+            await wait_for(up, "the SSE server connected")
+            await mcp_preset(client, ["old__*"])
+            conv = (await client.post("/api/conversations", json={"preset": "with-mcp"})).json()
+            sim.enqueue(Script([steps.ToolCall("old__multiply", {"a": 6, "b": 7}, id="c1"),
+                                steps.ToolCall("old__grow", {}, id="c2")]), Script([steps.Text("42.")]))
+            events = await turn(client, conv["id"], "6*7?")
+            assert names(events)[-1] == "done"
+            assert tool_results(sim.requests[-1].body) == ["42", "grown"]
+
+            async def fresh():
+                return "old__fresh" in {t["name"] for t in (await client.get("/api/tools")).json()}
+            await wait_for(fresh, "the new tool listed after the notification")
+    finally:
+        sse.stop()

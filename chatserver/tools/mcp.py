@@ -190,6 +190,7 @@ class ServerConnection:
         self._suspect = False
         self._retry_now = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._was_up = False
         for value in spec.headers.values():
             keep_secret(value)
 
@@ -219,13 +220,14 @@ class ServerConnection:
     async def _run(self) -> None:
         delay = BACKOFF_FIRST
         while True:
+            self._was_up = False
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - whatever a server or its transport does, retry
                 self._down(_reason(exc, self.spec))
-            if self.error is None:  # it had connected: start the pauses again
+            if self._was_up:  # a connection that had worked: start the pauses again
                 delay = BACKOFF_FIRST
             self._retry_now.clear()
             with contextlib.suppress(TimeoutError):
@@ -242,7 +244,7 @@ class ServerConnection:
             self._client = client
             self._lost, self._changed, self._suspect = None, False, False
             await self._refresh(client)
-            self.connected, self.error = True, None
+            self.connected, self.error, self._was_up = True, None, True
             log.info("MCP server %s connected: %d tools", self.name, len(self.tool_names))
             listener = asyncio.create_task(self._listen(client))
             try:
