@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+import httpx
 import pytest
 
 from chatserver.config import Settings
@@ -308,3 +309,87 @@ async def test_an_sse_server_is_listed_called_and_followed_through_notifications
             await wait_for(fresh, "the new tool listed after the notification")
     finally:
         sse.stop()
+
+
+async def test_two_servers_on_one_redis_each_connect_to_a_server_an_admin_added_on_one(tmp_path, sim, redis_server,
+                                                                                       mcp_http):
+    """Each process keeps its own connections; the page's list lives in the store they share."""
+    from test_several_servers import two_servers
+
+    first, second = two_servers(tmp_path, sim, redis_server)
+    try:
+        added = httpx.post(f"{first.base_url}/api/tools/servers", timeout=10,
+                           json={"name": "shared", "url": mcp_http.url, "headers": {"X-Token": SECRET}})
+        assert added.status_code == 201, added.text
+
+        def connected_on(server) -> bool:
+            states = httpx.get(f"{server.base_url}/api/tools/servers", timeout=10).json()["servers"]
+            return any(s["name"] == "shared" and s["connected"] for s in states)
+
+        deadline = time.monotonic() + 60
+        while not (connected_on(first) and connected_on(second)):
+            assert time.monotonic() < deadline, "the added server did not connect on both processes"
+            time.sleep(0.2)
+        for server in (first, second):
+            listed = httpx.get(f"{server.base_url}/api/tools", timeout=10).text
+            assert "shared__add" in listed and SECRET not in listed
+            assert SECRET not in server.log()
+    finally:
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.parametrize("entry, source, fragment", [
+    ({"name": "a__b", "url": "http://127.0.0.1:1/mcp"}, "file", "name"),
+    ({"name": "ok", "url": "ftp://host/x"}, "file", "http or https"),
+    ({"name": "ok"}, "file", "either a url or a command"),
+    ({"name": "ok", "url": "http://h/mcp", "command": "x"}, "file", "either a url or a command"),
+    ({"name": "ok", "command": "python"}, "page", "only in the MCP_SERVERS file"),
+    ({"name": "ok", "url": "http://h/mcp", "transport": "ws"}, "file", "transport"),
+    ({"name": "ok", "url": "http://h/mcp", "headers": {"X-A": "one\r\nX-B: two"}}, "page", "one line"),
+    ({"name": "ok", "url": "http://h/mcp", "headers": {"bad name": "v"}}, "page", "not a header name"),
+    ({"name": "ok", "command": "python", "args": "-m x"}, "file", "args"),
+    (["not", "an", "object"], "file", "JSON object"),
+])
+def test_bad_server_entries_are_refused_with_the_reason(entry, source, fragment):
+    from chatserver.tools.mcp import ServerConfigError, parse_server
+
+    with pytest.raises(ServerConfigError, match=fragment):
+        parse_server(entry, source=source)
+
+
+async def test_an_unreadable_mcp_servers_file_stops_the_start_with_its_name(tmp_path, sim):
+    from chatserver.app import create_app
+    from chatserver.tools.mcp import ServerConfigError
+
+    listing = tmp_path / "mcp.json"
+    listing.write_text('[{"name": "x", "url": "http://127.0.0.1:1/mcp"}, {"name": "x", "command": "true"}]')
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data", mcp_servers=listing)
+    app = create_app(settings)
+    with pytest.raises(ServerConfigError, match="two servers share a name"):
+        async with app.router.lifespan_context(app):
+            pass
+    listing.write_text("{not json")
+    with pytest.raises(ServerConfigError, match=f"MCP_SERVERS={listing}: cannot be read as JSON"):
+        async with app.router.lifespan_context(app):
+            pass
+
+
+def test_a_listed_tool_is_checked_named_and_described_within_limits(tmp_path):
+    import mcp_types as types
+
+    from chatserver.tools.mcp import DESCRIPTION_MAX_CHARS, ServerConnection, parse_server
+
+    spec = parse_server({"name": "srv", "url": "http://127.0.0.1:1/mcp"}, source="file")
+    conn = ServerConnection(spec, tools.Registry(), Settings(_env_file=None, data_dir=tmp_path))
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    good = conn._tool(types.Tool(name="find", description="word " * 500, input_schema=schema))
+    assert good is not None and good.name == "srv__find" and good.server == "srv"
+    assert len(good.description) == DESCRIPTION_MAX_CHARS and good.description.endswith("…")
+    with pytest.raises(tools.ToolError, match="'q' is a required property"):
+        good.check({})
+    for bad in (types.Tool(name="odd name", input_schema=schema),
+                types.Tool(name="x" * 70, input_schema=schema),
+                types.Tool(name="scalar", input_schema={"type": "string"}),
+                types.Tool(name="broken", input_schema={"type": "object", "properties": {"q": {"type": 5}}})):
+        assert conn._tool(bad) is None, bad.name
