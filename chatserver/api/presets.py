@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatserver.api.deps import AdminDep, OwnerStoreDep, StateDep, UserDep
+from chatserver.api.deps import OwnerStoreDep, StateDep, UserDep
 from chatserver.conversations.presets import MODEL_MAX_CHARS, NAME_PATTERN, TEXT_MAX_CHARS, PresetError, Presets, presets_for
 from chatserver.tools import registry as tools
 from chatserver.tools.mcp import HEADERS_MAX, URL_MAX_CHARS, McpServers, ServerConfigError
@@ -102,7 +102,9 @@ class McpServerIn(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict, max_length=HEADERS_MAX)
 
 
-def _servers(state) -> McpServers:
+def _servers(state, user=None) -> McpServers:
+    if user is not None and not user.admin:
+        raise HTTPException(403, "only an administrator may add or remove MCP servers")
     if state.mcp is None:
         raise HTTPException(503, "the MCP servers are still starting")
     return state.mcp
@@ -115,9 +117,10 @@ async def list_servers(state: StateDep, user: UserDep) -> dict:
 
 
 @router.post("/api/tools/servers", status_code=201)
-async def add_server(body: McpServerIn, state: StateDep, admin: AdminDep) -> dict:
+async def add_server(body: McpServerIn, state: StateDep, user: UserDep) -> dict:
+    servers = _servers(state, user)
     try:
-        return await _servers(state).add(body.model_dump())
+        return await servers.add(body.model_dump())
     except ServerConfigError as exc:
         raise HTTPException(422, str(exc)) from None
     except KeyError:
@@ -125,9 +128,10 @@ async def add_server(body: McpServerIn, state: StateDep, admin: AdminDep) -> dic
 
 
 @router.delete("/api/tools/servers/{name}", status_code=204)
-async def remove_server(name: str, state: StateDep, admin: AdminDep) -> Response:
+async def remove_server(name: str, state: StateDep, user: UserDep) -> Response:
+    servers = _servers(state, user)
     try:
-        await _servers(state).remove(name)
+        await servers.remove(name)
     except PermissionError:
         raise HTTPException(400, f"{name!r} is set in the MCP_SERVERS file; change it there") from None
     except LookupError:
