@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from mcp import Client  # noqa: E402
+from tool_bench import pct, stamp  # noqa: E402
 
 from chatserver.config import Settings  # noqa: E402
 from chatserver.tools import registry as tools  # noqa: E402
@@ -43,16 +44,6 @@ WARMUP = 3
 SDK_CALLS = 200
 RESULTS = Path(__file__).resolve().parent / "results_mcp.json"
 TOOLS = {"local": ("stamp", {}), "http": ("http__echo", {"text": "hi"}), "stdio": ("stdio__echo", {"text": "hi"})}
-
-
-async def stamp() -> str:
-    """Answer at once (a benchmark's tool)."""
-    return "stamped"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def connected(client) -> None:
@@ -81,7 +72,7 @@ async def measure(turns: int) -> dict:
         tools.registry.register(stamp)
     http = McpServer(free_port())
     try:
-        with GatewaySimulator(keep_requests=8 * turns) as sim, tempfile.TemporaryDirectory() as tmp:
+        with GatewaySimulator(keep_requests=2 * len(TOOLS) * (turns + WARMUP)) as sim, tempfile.TemporaryDirectory() as tmp:
             listing = Path(tmp) / "mcp.json"
             listing.write_text(json.dumps([{"name": "http", "url": http.url},
                                            {"name": "stdio", "command": sys.executable, "args": [str(SERVER), "stdio"]}]))
@@ -103,7 +94,8 @@ async def measure(turns: int) -> dict:
                                                      json={"content": f"{kind} {n}"})
                         assert "event: done" in response.text, response.text[-500:]
                         cpu_used = (time.process_time() - cpu_before) * 1000
-                        calling, carrying = sim.requests[before], sim.requests[before + 1]
+                        assert len(sim.requests) == before + 2, response.text[-800:]
+                        calling, carrying = sim.requests[-2:]
                         assert "[tool error]" not in json.dumps(carrying.body["messages"][-1]), carrying.body["messages"][-1]
                         if n >= WARMUP:
                             rounds[kind].append((carrying.started_at - calling.started_at) * 1000)

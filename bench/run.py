@@ -1302,33 +1302,28 @@ def run_search_bench(log) -> dict:
     data = json.loads((BENCH / "results_search.json").read_text())
     return {SEARCH_KEYS.get(k, k): v for k, v in data.items() if not isinstance(v, (dict, list))}
 
+def run_results_script(log, script: str, results: str, what: str) -> dict:
+    """A benchmark script that writes its flat keys to bench/`results`, run in a process of its own."""
+    log(f"{what} (bench/{script})")
+    try:
+        done = subprocess.run([PY, str(BENCH / script)], cwd=ROOT, timeout=600, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            log(f"  {script} exited with {done.returncode}")
+    except subprocess.TimeoutExpired:
+        log(f"  {script} ran over 600 s and was stopped")
+    path = BENCH / results
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def run_tool_bench(log) -> dict:
     """The tool-round benchmark (bench/tool_bench.py): what a tool round adds before the next request."""
-    log("tool-round benchmark (bench/tool_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "tool_bench.py")], cwd=ROOT, timeout=600)
-        if done.returncode != 0:
-            log(f"  tool_bench.py exited with {done.returncode}")
-    except subprocess.TimeoutExpired:
-        log("  tool_bench.py ran over 600 s and was stopped")
-    path = BENCH / "results_tools.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return run_results_script(log, "tool_bench.py", "results_tools.json", "tool-round benchmark")
 
 
 def run_mcp_bench(log) -> dict:
     """The MCP tool-round benchmark (bench/mcp_bench.py): what a round through an MCP server (over
     Streamable HTTP, over stdio) adds over a round through a local tool."""
-    log("MCP tool-round benchmark (bench/mcp_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "mcp_bench.py")], cwd=ROOT, timeout=600, stdout=subprocess.DEVNULL)
-        if done.returncode != 0:
-            log(f"  mcp_bench.py exited with {done.returncode}")
-            return {"mcp_error": f"mcp_bench.py exited with {done.returncode}"}
-    except subprocess.TimeoutExpired:
-        log("  mcp_bench.py ran over 600 s and was stopped")
-        return {"mcp_error": "mcp_bench.py ran over 600 s"}
-    path = BENCH / "results_mcp.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return run_results_script(log, "mcp_bench.py", "results_mcp.json", "MCP tool-round benchmark")
 
 
 def run_attachments_bench(log) -> dict:

@@ -833,32 +833,29 @@ class FileStore:
                 continue
         return out
 
-    async def read_custom_models(self) -> list[dict]:
+    def _read_list(self, path: Path) -> list[dict]:
+        """The objects of a small JSON list file; none when it is missing or damaged (logged)."""
         try:
-            data = orjson.loads(read_small_file(self.models_path))
+            data = orjson.loads(read_small_file(path))
         except FileNotFoundError:
             return []
         except (OSError, orjson.JSONDecodeError) as exc:
-            log.warning("ignoring damaged %s: %s", self.models_path.name, exc)
+            log.warning("ignoring damaged %s: %s", path.name, exc)
             return []
         if not isinstance(data, list):
-            log.warning("ignoring damaged %s: not a JSON list", self.models_path.name)
+            log.warning("ignoring damaged %s: not a JSON list", path.name)
             return []
-        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+        return [item for item in data if isinstance(item, dict)]
+
+    async def read_custom_models(self) -> list[dict]:
+        return [m for m in self._read_list(self.models_path) if isinstance(m.get("id"), str)
                 and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
 
     async def write_custom_models(self, models: list[dict]) -> None:
         atomic_write(self.models_path, _dumps(models))
 
     async def read_mcp_servers(self) -> list[dict]:
-        try:
-            data = orjson.loads(read_small_file(self.mcp_path))
-        except FileNotFoundError:
-            return []
-        except (OSError, orjson.JSONDecodeError) as exc:
-            log.warning("ignoring damaged %s: %s", self.mcp_path.name, exc)
-            return []
-        return [s for s in data if isinstance(s, dict)] if isinstance(data, list) else []
+        return self._read_list(self.mcp_path)
 
     async def write_mcp_servers(self, servers: list[dict]) -> None:
         # Not _dumps: the header values admins gave are what reaches the servers, so the one place
