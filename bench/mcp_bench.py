@@ -77,7 +77,8 @@ async def measure(turns: int) -> dict:
             listing.write_text(json.dumps([{"name": "http", "url": http.url},
                                            {"name": "stdio", "command": sys.executable, "args": [str(SERVER), "stdio"]}]))
             settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=Path(tmp) / "data",
-                                default_tool_runtime="local", mcp_servers=listing)
+                                default_tool_runtime="local", mcp_servers=listing,
+                                auto_title=False)  # a title call would land among the requests timed
             rounds: dict[str, list[float]] = {kind: [] for kind in TOOLS}
             cpu: dict[str, list[float]] = {kind: [] for kind in TOOLS}
             async with serve(settings) as (_, client):

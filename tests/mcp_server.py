@@ -5,13 +5,15 @@
     python tests/mcp_server.py stdio         over stdin/stdout
 
 With MCP_DEMO_TOKEN set, HTTP requests must carry `X-Token: <that value>` (a secret header the
-chat server sends and never shows).
+chat server sends and never shows). Over HTTP, a call of `garble` is answered with a result that
+is not an MCP result (a server answering garbage).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import sys
 
@@ -67,11 +69,48 @@ def chart() -> list:
 
 
 @server.tool()
+def garble() -> str:
+    """Answer (over HTTP the answer is replaced by garbage on its way out)."""
+    return "fine"
+
+
+@server.tool()
 async def grow(ctx: Context) -> str:
     """Add a tool named `fresh` and tell the client the list changed."""
     server.add_tool(lambda: "fresh and new", name="fresh", description="A tool added while connected.")
     await ctx.notify_tools_changed()
     return "grown"
+
+
+def garbling(app):
+    """The app, except that a call of `garble` gets a JSON-RPC answer whose result is malformed."""
+    async def garbled(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        request = json.loads(body or b"{}")
+        if isinstance(request, dict) and request.get("method") == "tools/call" and \
+                request.get("params", {}).get("name") == "garble":
+            answer = json.dumps({"jsonrpc": "2.0", "id": request["id"],
+                                 "result": {"content": "not a list", "isError": "perhaps"}}).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await app(scope, replay, send)
+    return garbled
 
 
 def checked(app, token: str):
@@ -91,7 +130,7 @@ def main() -> None:
         return
     import uvicorn
 
-    app = server.sse_app(host="127.0.0.1") if sys.argv[1] == "sse" else server.streamable_http_app(host="127.0.0.1")
+    app = server.sse_app(host="127.0.0.1") if sys.argv[1] == "sse" else garbling(server.streamable_http_app(host="127.0.0.1"))
     token = os.environ.get("MCP_DEMO_TOKEN")
     uvicorn.run(checked(app, token) if token else app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
                 lifespan="on")

@@ -217,6 +217,21 @@ async def test_a_slow_tool_and_a_huge_answer_are_cut(api, client, sim):
     assert state["failures"] >= 1 and state["connected"]
 
 
+async def test_a_server_answering_garbage_is_a_tool_error_and_the_turn_goes_on(api, client, sim):
+    await both_connected(client)
+    await mcp_preset(client, ["demo__garble", "demo__add"])
+    conv = await api.new(preset="with-mcp")
+    sim.enqueue(Script([steps.ToolCall("demo__garble", {}, id="c1")]),
+                Script([steps.ToolCall("demo__add", {"a": 2, "b": 3}, id="c2")]), Script([steps.Text("Five.")]))
+    events = await turn(client, conv["id"], "Go")
+    assert names(events)[-1] == "done"
+    garbled, added = tool_results(sim.requests[-1].body)
+    assert garbled.startswith("[tool error] demo__garble: the MCP server demo answered something that is not "
+                              "a tool result")
+    assert added == "5"  # the same connection still serves the next call
+    assert (await server_state(client, "demo"))["connected"]
+
+
 async def test_image_results_keep_their_text_and_note_the_image(api, client, sim):
     await both_connected(client)
     await mcp_preset(client, ["demo__chart"])

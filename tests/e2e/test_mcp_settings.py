@@ -48,7 +48,7 @@ def test_settings_show_the_server_and_an_admin_adds_one(page, server, mcp):
     demo = entry(dialog, "demo")
     expect(demo).to_have_attribute("data-connected", "true")
     expect(demo.get_by_test_id("mcp-state")).to_have_text("connected")
-    expect(demo).to_contain_text("8 tools")
+    expect(demo).to_contain_text("9 tools")
     expect(demo).to_contain_text("headers: X-Token")
     expect(demo).to_contain_text("MCP_SERVERS")
     assert SECRET not in page.content()
@@ -106,7 +106,7 @@ def test_an_mcp_call_shows_in_the_trail_and_the_editor_warns_past_a_dozen(page, 
     warning = dialog.get_by_test_id("preset-tools-warning")
     checks = dialog.locator("#preset-tools-list").get_by_test_id("tool-checkbox")
     dialog.locator("#preset-tools-list input[value='demo__*']").check()
-    expect(warning).to_be_hidden()  # eight tools
+    expect(warning).to_be_hidden()  # nine tools
     for i in range(checks.count()):
         checks.nth(i).check()
     expect(warning).to_be_visible()
