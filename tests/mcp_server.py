@@ -55,9 +55,9 @@ async def nap(seconds: float) -> str:
 
 
 @server.tool()
-def flood(megabytes: int) -> str:
-    """Return that many megabytes of text."""
-    return "x" * (megabytes * 1024 * 1024)
+def flood(megabytes: int) -> list:
+    """Return that many megabytes of text (as content only: a str would be sent twice, as structured content too)."""
+    return [TextContent(type="text", text="x" * (megabytes * 1024 * 1024))]
 
 
 @server.tool()

@@ -198,7 +198,8 @@ async def test_a_slow_tool_and_a_huge_answer_are_cut(api, client, sim):
     await both_connected(client)
     await mcp_preset(client, ["demo__*", "local__*"])
     conv = await api.new(preset="with-mcp")
-    # 10 MB over Streamable HTTP; over stdio the SDK itself takes about 5 s for 10 MB, so 2 MB there.
+    # 10 MB over Streamable HTTP (under MCP_MAX_BYTES, 16 MB); over stdio the SDK itself takes about
+    # 5 s for 10 MB, so 2 MB there.
     sim.enqueue(Script([steps.ToolCall("demo__nap", {"seconds": 120}, id="c1"),
                         steps.ToolCall("local__flood", {"megabytes": 2}, id="c2"),
                         steps.ToolCall("demo__flood", {"megabytes": 10}, id="c3")]),
@@ -230,6 +231,28 @@ async def test_a_server_answering_garbage_is_a_tool_error_and_the_turn_goes_on(a
                               "a tool result")
     assert added == "5"  # the same connection still serves the next call
     assert (await server_state(client, "demo"))["connected"]
+
+
+async def test_an_answer_past_mcp_max_bytes_is_refused_and_the_server_reconnects(tmp_path, sim, mcp_http):
+    listing = tmp_path / "mcp.json"
+    listing.write_text(json.dumps([{"name": "demo", "url": mcp_http.url, "headers": {"X-Token": SECRET}}]))
+    settings = Settings(_env_file=None, gateway_base_url=sim.base_url, data_dir=tmp_path / "data", upstream_timeout=5,
+                        default_tool_runtime="local", mcp_servers=listing, mcp_max_bytes=1024 * 1024)
+    async with serve(settings) as (_, client):
+        async def up():
+            return (await server_state(client, "demo"))["connected"]
+        await wait_for(up, "demo connected")
+        await mcp_preset(client, ["demo__*"])
+        conv = (await client.post("/api/conversations", json={"preset": "with-mcp"})).json()
+        sim.enqueue(Script([steps.ToolCall("demo__flood", {"megabytes": 2}, id="c1")]), Script([steps.Text("Too big.")]))
+        await turn(client, conv["id"], "Flood")
+        assert tool_results(sim.requests[-1].body) == [
+            "[tool error] demo__flood: the answer passed 1,048,576 bytes (MCP_MAX_BYTES) and was not read"]
+        assert (await server_state(client, "demo"))["failures"] >= 1
+        await wait_for(up, "demo reconnected")
+        sim.enqueue(Script([steps.ToolCall("demo__add", {"a": 1, "b": 2}, id="c2")]), Script([steps.Text("3.")]))
+        await turn(client, conv["id"], "1+2")
+        assert tool_results(sim.requests[-1].body)[-1] == "3"
 
 
 async def test_image_results_keep_their_text_and_note_the_image(api, client, sim):

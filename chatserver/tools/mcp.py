@@ -11,7 +11,7 @@ A server that is down keeps its last tools registered, so a call reads as a tool
 so instead of an unknown tool.
 
 Calls go through `Registry.run` like any tool: MCP_TIMEOUT bounds each one, the answer is cut to
-the registry's length cap (and one over MCP_MAX_BYTES is refused by the transport), and every
+the registry's length cap (and an HTTP answer is not read past MCP_MAX_BYTES), and every
 failure of the server (down, slow, an error, garbage) becomes a `[tool error]` the model reads.
 Header values are secrets: kept out of every answer and redacted from messages and logs.
 """
@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,6 @@ from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.client.subscriptions import ListenNotSupportedError
-from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from pydantic import ValidationError, create_model
 
@@ -171,6 +171,47 @@ class _Lost(Exception):
     """The connection to a server is gone (the reason is the message)."""
 
 
+class AnswerTooBig(Exception):
+    """A server's answer passed MCP_MAX_BYTES; reading stopped there."""
+
+
+class _Capped(httpx2.AsyncByteStream):
+    def __init__(self, stream: httpx2.AsyncByteStream, limit: int, on_cap: Callable[[], None]) -> None:
+        self.stream, self.limit, self.on_cap = stream, limit, on_cap
+
+    async def __aiter__(self):
+        seen = 0
+        async for chunk in self.stream:
+            seen += len(chunk)
+            if seen > self.limit:
+                self.on_cap()  # the SDK reports the failure as a closed connection: this says why
+                raise AnswerTooBig(f"the answer passed {self.limit:,} bytes (MCP_MAX_BYTES)")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class _CappedTransport(httpx2.AsyncBaseTransport):
+    """Whole JSON answers cut at MCP_MAX_BYTES as they arrive (the SDK bounds each SSE event itself;
+    a stream of events is long-lived and not bounded as a whole)."""
+
+    def __init__(self, limit: int, on_cap: Callable[[], None]) -> None:
+        self.inner = httpx2.AsyncHTTPTransport()
+        self.limit = limit
+        self.on_cap = on_cap
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self.inner.handle_async_request(request)
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = _Capped(response.stream, self.limit, self.on_cap)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class ServerConnection:
     """One server's connection, kept by a background task, and its tools in the registry."""
 
@@ -191,6 +232,8 @@ class ServerConnection:
         self._retry_now = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._was_up = False
+        self._too_big = False
+        self._stopping = False
         for value in spec.headers.values():
             keep_secret(value)
 
@@ -208,6 +251,7 @@ class ServerConnection:
         self._task = asyncio.create_task(self._run(), name=f"mcp server {self.name}")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
@@ -224,7 +268,11 @@ class ServerConnection:
             try:
                 await self._session()
             except asyncio.CancelledError:
-                raise
+                # The SDK's task group cancels the task it runs in when one of its own tasks fails
+                # (an answer cut at MCP_MAX_BYTES): only stop() ends this loop.
+                if self._stopping:
+                    raise
+                self._down(self._lost or "the connection was closed")
             except BaseException as exc:  # noqa: BLE001 - whatever a server or its transport does, retry
                 self._down(_reason(exc, self.spec))
             if self._was_up:  # a connection that had worked: start the pauses again
@@ -268,7 +316,7 @@ class ServerConnection:
         timeout = httpx2.Timeout(self.timeout, read=max(300.0, self.timeout))
         if spec.transport == "sse":
             return sse_client(spec.url, headers=spec.headers, timeout=self.timeout, sse_read_timeout=300)
-        http = create_mcp_http_client(headers=spec.headers, timeout=timeout)
+        http = httpx2.AsyncClient(headers=spec.headers, timeout=timeout, transport=_CappedTransport(self.max_bytes, self._capped))
         return streamable_http_client(spec.url, http_client=http, max_sse_event_size=self.max_bytes)
 
     async def _watch(self, client: Client) -> None:
@@ -305,11 +353,15 @@ class ServerConnection:
         if isinstance(message, types.ToolListChangedNotification):
             self._wake(changed=True)
 
+    def _capped(self) -> None:
+        self._too_big = True
+
     def _wake(self, *, changed: bool = False, lost: str | None = None, suspect: bool = False) -> None:
         self._changed |= changed
         self._suspect |= suspect
         if lost is not None and self._lost is None:
             self._lost = lost
+            self.connected = False  # at once: a call meanwhile is told so, and asks for the retry
         self._signal.set()
 
     def _down(self, reason: str) -> None:
@@ -394,6 +446,11 @@ class ServerConnection:
                             f"({type(exc).__name__})") from None
         except MCPError as exc:
             self.failures += 1
+            if self._too_big:  # reading stopped there, and the SDK closed its connection: open another
+                self._too_big = False
+                self.error = f"an answer of {remote} passed MCP_MAX_BYTES"
+                self._wake(lost=self.error)
+                raise ToolError(f"the answer passed {self.max_bytes:,} bytes (MCP_MAX_BYTES) and was not read") from None
             self._wake(suspect=True)  # a refusal, or the line broke under it: listing again tells which
             raise ToolError(f"the MCP server {self.name} answered an error: {_short(redact(exc.error.message))}") from None
         except BaseException as exc:  # noqa: BLE001 - a transport failing: the line is gone
