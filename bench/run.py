@@ -37,6 +37,9 @@ code blocks and 100 formulas drawn (`render_200k_*`), and the long tasks while a
 100 tokens/s (`stream_*`: `longtask` entries on the wall clock, and each task's CPU time from
 chromium's trace).
 
+`bench/mcp_bench.py` times a tool round through a real MCP server (Streamable HTTP and stdio)
+beside one through a local tool (the `mcp_*` keys, from `results_mcp.json`).
+
 Results go to `bench/results.json` (flat keys) and `bench/RESULTS.md`; the cache benchmark
 (`bench/cache_bench.py`, another engineer's) runs last and its `results_cache.json` is merged.
 Every load loop is bounded by a request count and a phase deadline, and targets only 127.0.0.1.
@@ -1061,6 +1064,8 @@ def verdict(results: dict) -> list[str]:
     checks = [
         ("p50 added TTFB at 1 stream ≤ 3 ms", results.get("ttfb_added_p50_ms_1"), lambda v: v <= 3.0),
         ("p50 tool round added < 2 ms", results.get("tool_round_added_ms_p50"), lambda v: v < 2.0),
+        ("p50 MCP round (Streamable HTTP, loopback) adds < 10 ms over a local tool's",
+         results.get("mcp_http_round_added_ms_p50"), lambda v: v < 10.0),
         ("p50 added TTFB at 1 stream below LiteLLM's", results.get("ttfb_added_p50_ms_1"),
          (lambda v: v < litellm) if litellm is not None else None),
         ("every stream completes at 200", results.get("streams_completed_200"),
@@ -1243,6 +1248,13 @@ def write_markdown(results: dict, labels: dict[str, str], overhead: dict, sustai
                   "Targets: `search_p50_ms` < 50 over 1,000 conversations / 100,000 messages; "
                   "`index_update_p50_ms` (a turn's save) < 2.", "", "| key | value |", "|---|---|"]
         lines += [f"| `{k}` | {fmt(results[k])} |" for k in search_keys]
+    mcp_keys = [k for k in results if k.startswith("mcp_")]
+    if mcp_keys:
+        lines += ["", "## MCP tool rounds (from `bench/mcp_bench.py`)", "",
+                  "A round through a real MCP server on loopback (Streamable HTTP, stdio) beside one through a "
+                  "local tool, turns alternating; `*_added_ms_p50` is the difference of the medians.", "",
+                  "| key | value |", "|---|---|"]
+        lines += [f"| `{k}` | {fmt(results[k])} |" for k in mcp_keys]
     lines += ["", f"Idle server RSS before load: {fmt(m.get('rss_mb_idle'))} MB. All keys: `bench/results.json`.", ""]
     generated = "\n".join(lines)
     path = BENCH / "RESULTS.md"
@@ -1297,17 +1309,28 @@ def run_search_bench(log) -> dict:
     data = json.loads((BENCH / "results_search.json").read_text())
     return {SEARCH_KEYS.get(k, k): v for k, v in data.items() if not isinstance(v, (dict, list))}
 
+def run_results_script(log, script: str, results: str, what: str) -> dict:
+    """A benchmark script that writes its flat keys to bench/`results`, run in a process of its own."""
+    log(f"{what} (bench/{script})")
+    try:
+        done = subprocess.run([PY, str(BENCH / script)], cwd=ROOT, timeout=600, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            log(f"  {script} exited with {done.returncode}")
+    except subprocess.TimeoutExpired:
+        log(f"  {script} ran over 600 s and was stopped")
+    path = BENCH / results
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def run_tool_bench(log) -> dict:
     """The tool-round benchmark (bench/tool_bench.py): what a tool round adds before the next request."""
-    log("tool-round benchmark (bench/tool_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "tool_bench.py")], cwd=ROOT, timeout=600)
-        if done.returncode != 0:
-            log(f"  tool_bench.py exited with {done.returncode}")
-    except subprocess.TimeoutExpired:
-        log("  tool_bench.py ran over 600 s and was stopped")
-    path = BENCH / "results_tools.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return run_results_script(log, "tool_bench.py", "results_tools.json", "tool-round benchmark")
+
+
+def run_mcp_bench(log) -> dict:
+    """The MCP tool-round benchmark (bench/mcp_bench.py): what a round through an MCP server (over
+    Streamable HTTP, over stdio) adds over a round through a local tool."""
+    return run_results_script(log, "mcp_bench.py", "results_mcp.json", "MCP tool-round benchmark")
 
 
 def run_answers_bench(log) -> dict:
@@ -1425,7 +1448,7 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the diagnostic server with DATA_DIR on tmpfs")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["overhead", "sustain", "checkpoints", "stop", "history", "redis", "workers", "cache", "search",
-                                 "tools", "attachments", "s3", "images", "vision", "render", "answers", "costs"],
+                                 "tools", "mcp", "attachments", "s3", "images", "vision", "render", "answers", "costs"],
                         help="skip a phase (repeatable)")
     args = parser.parse_args()
     began = time.monotonic()
@@ -1571,6 +1594,8 @@ def main() -> None:
         results.update(run_tool_bench(log))
     if "costs" not in args.skip:
         results.update(run_costs_bench(log))
+    if "mcp" not in args.skip:
+        results.update(run_mcp_bench(log))
     if "attachments" not in args.skip:
         results.update(run_attachments_bench(log))
     if "answers" not in args.skip:

@@ -44,6 +44,8 @@ from chatserver.costs.ledger import FileLedger, RedisLedger
 from chatserver.search.follow import StillBuilding, open_search
 from chatserver.store.files import Damaged, FileStore, LockLost, NotFound, Store, StoreUnavailable, TurnBusy
 from chatserver.store.person_events import PersonEvents, RedisPersonEvents
+from chatserver.tools import registry as tools
+from chatserver.tools.mcp import McpServers
 from chatserver.turns import context
 from chatserver.turns.pipeline import Turns
 from chatserver.upstream.catalog import GatewayCatalog
@@ -222,9 +224,13 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             turns.costs.store = store
             await turns.costs.published_prices()  # read in the background: no start waits for the gateway
             await turns.costs.resume()
+            # Each process keeps its own connections; they come up in the background.
+            app.state.chat.mcp = McpServers(active, store, tools.registry)
+            await app.state.chat.mcp.start()
             try:
                 yield
             finally:
+                await close_within("the MCP servers", app.state.chat.mcp.close())
                 # Running turns save what arrived before the store closes. Each step is bounded:
                 # a step that hangs is logged by name and left behind, and the process still stops.
                 await close_within("the turn hub", app.state.chat.hub.close())

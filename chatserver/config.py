@@ -189,10 +189,15 @@ class Settings(BaseSettings):
     # Per model id: "gateway" | "local" | "none"; models not named get DEFAULT_TOOL_RUNTIME.
     tool_runtimes: Annotated[dict[str, Literal["gateway", "local", "none"]], NoDecode] = Field(default_factory=dict)
     default_tool_runtime: Literal["gateway", "local", "none"] = "gateway"
+    # MCP servers (tools/mcp.py): a JSON file listing them (admins add HTTP ones in Settings too),
+    # how long one call may take, and the most one answer may carry (a bigger one is refused).
+    mcp_servers: Path | None = None
+    mcp_timeout: float = Field(30.0, gt=0)
+    mcp_max_bytes: int = Field(16 * 1024 * 1024, gt=0)
 
     @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url",
                      "conversation_ttl_days", "search_index_dir", "s3_endpoint_url", "s3_access_key_id",
-                     "s3_secret_access_key", "vision_model", mode="before")
+                     "s3_secret_access_key", "vision_model", "mcp_servers", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

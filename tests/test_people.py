@@ -164,6 +164,21 @@ async def test_the_model_lineup_is_changed_by_admins_only(alice, bob):
     assert (await alice.delete("/api/models/x/model")).status_code == 204
 
 
+async def test_mcp_servers_are_added_by_admins_only_and_only_admins_see_where_they_are(alice, bob):
+    body = {"name": "tools", "url": "http://127.0.0.1:9/mcp", "headers": {"Authorization": "Bearer abc-secret-123"}}
+    refused = await bob.post("/api/tools/servers", json=body)
+    assert refused.status_code == 403 and "administrator" in refused.json()["detail"]
+    assert (await alice.post("/api/tools/servers", json=body)).status_code == 201
+    assert (await bob.delete("/api/tools/servers/tools")).status_code == 403
+    (seen_by_bob,) = (await bob.get("/api/tools/servers")).json()["servers"]
+    assert set(seen_by_bob) == {"name", "connected", "error", "failures", "tools"}
+    (seen_by_alice,) = (await alice.get("/api/tools/servers")).json()["servers"]
+    assert seen_by_alice["url"] == body["url"] and seen_by_alice["header_names"] == ["Authorization"]
+    for client in (alice, bob):
+        assert "abc-secret-123" not in (await client.get("/api/tools/servers")).text
+    assert (await alice.delete("/api/tools/servers/tools")).status_code == 204
+
+
 # --- masking -------------------------------------------------------------------------------------
 
 PERSONAL = ("Call me at 010-1234-5678 or +82 10-9876-5432, mail kim@example.co.kr, "

@@ -181,6 +181,14 @@ async def test_custom_models(store):
     assert await (await reopened(store)).read_custom_models() == models
 
 
+async def test_mcp_servers_added_in_the_page(store):
+    assert await store.read_mcp_servers() == []
+    servers = [{"name": "search", "url": "http://127.0.0.1:9/mcp", "transport": "http",
+                "headers": {"Authorization": "Bearer s3cret"}}]
+    await store.write_mcp_servers(servers)
+    assert await (await reopened(store)).read_mcp_servers() == servers
+
+
 async def test_turn_locks(store):
     mine = store.for_owner("alice")
     conv = await mine.create(conversation())

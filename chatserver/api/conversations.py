@@ -233,10 +233,10 @@ async def _unusable_tools(state, store: OwnerStore, conv_id: str, patch) -> str 
         allowed = (await presets_for(store).get(preset_name)).tools
     except PresetNotFound:
         return f"the preset {preset_name!r} does not exist"
-    unknown = [n for n in patch.tools if n not in tools.registry]
+    unknown = [n for n in patch.tools if not tools.registry.accepts(n)]
     if unknown:
         return f"no tool is called {', '.join(map(repr, unknown))}; tools: {', '.join(tools.registry.names())}"
-    refused = [n for n in patch.tools if n not in allowed]
+    refused = [n for n in patch.tools if not tools.whitelisted(tools.registry, n, allowed)]
     if refused:
         return (f"the preset {preset_name!r} does not allow {', '.join(map(repr, refused))}; it allows: "
                 f"{', '.join(allowed) or 'no tools'}")

@@ -17,6 +17,7 @@ from chatserver.attachments.store import Attachments
 from chatserver.config import ModelInfo, Settings
 from chatserver.store.files import OwnerStore, Store
 from chatserver.store.person_events import AnnouncingStore, PersonEvents
+from chatserver.tools.mcp import McpServers
 from chatserver.turns.hub import LocalTurnHub, TurnHub
 from chatserver.turns.pipeline import Turns
 from chatserver.upstream.catalog import GatewayCatalog
@@ -35,6 +36,7 @@ class State:
         self.attachments = attachments
         self.events = events if events is not None else PersonEvents()
         self.hub = hub if hub is not None else LocalTurnHub(turns, self.events)
+        self.mcp: McpServers | None = None  # set by lifespan
 
     async def lineup(self) -> list[ModelInfo]:
         # Who reads images: VISION_MODELS, or the gateway's list says so; a custom model's own

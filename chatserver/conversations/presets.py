@@ -89,17 +89,20 @@ class Preset:
 def presets_for(store: OwnerStore) -> Presets:
     """This person's presets (the built-in ones and their own), checked against the registered tools:
     the one way every route and turn reads them."""
-    return Presets(store, tools.registry.names())
+    return Presets(store, tools.registry.names(), accepts=tools.registry.accepts)
 
 
 class Presets:
     """The built-in presets plus one person's custom ones (kept by their owner-scoped store, so
     nobody sees or changes another's), checked against known tool names."""
 
-    def __init__(self, store: OwnerStore, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR) -> None:
+    def __init__(self, store: OwnerStore, tool_names: Iterable[str], builtin_dir: Path = BUILTIN_DIR, *,
+                 accepts: Callable[[str], bool] | None = None) -> None:
         self.store = store
         self.tool_names = tuple(tool_names)
         self.builtin_dir = builtin_dir
+        # Beyond the registered names: an MCP server's `server__tool` and `server__*`, listed or not yet.
+        self.accepts = accepts
 
     # Reading
 
@@ -186,8 +189,10 @@ class Presets:
     # Internals
 
     def _known(self, names: Iterable[str]) -> tuple[str, ...]:
-        known = set(self.tool_names)
-        return tuple(n for n in dict.fromkeys(names) if n in known)
+        return tuple(n for n in dict.fromkeys(names) if self._is_known(n))
+
+    def _is_known(self, name: str) -> bool:
+        return name in self.tool_names or (self.accepts is not None and self.accepts(name))
 
     def _builtin_named(self, name: str) -> bool:
         return any(p.stem.casefold() == name.casefold() for p in self.builtin_dir.glob("*.txt"))
@@ -202,7 +207,7 @@ class Presets:
         if len(text) > TEXT_MAX_CHARS:
             raise InvalidPreset(f"the preset text is over {TEXT_MAX_CHARS} characters")
         names = tuple(dict.fromkeys(tools))
-        unknown = [n for n in names if n not in set(self.tool_names)]
+        unknown = [n for n in names if not self._is_known(n)]
         if unknown:
             raise InvalidPreset(f"no such tool: {', '.join(unknown)} (known: {', '.join(self.tool_names) or 'none'})")
         model = model.strip() if model else None

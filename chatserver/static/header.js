@@ -32,6 +32,9 @@ export const settings = new SettingsPanel({
     server.presets = await api.presets();
   },
   tools: () => server.tools,
+  toolsChanged: async () => {
+    server.tools = await api.tools();
+  },
   health: () => server.health,
   memoryChanged: () => refresh({ transcript: false }),
 });

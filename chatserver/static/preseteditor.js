@@ -7,6 +7,9 @@ import { button, node } from "./ui.js";
 
 const $ = (id) => document.getElementById(id);
 
+// Past this many tools a preset is warned about: small models choose worse among many.
+export const TOOLS_WARN_OVER = 12;
+
 /** One entry per tool name (a tool may be listed once per place it runs), local first. */
 export function uniqueTools(tools) {
   const byName = new Map();
@@ -16,9 +19,25 @@ export function uniqueTools(tools) {
   return [...byName.values()];
 }
 
+/** The tools of each MCP server, by server name. */
+function serverTools(tools) {
+  const byServer = new Map();
+  for (const t of tools || []) {
+    if (t.runs === "mcp") byServer.set(t.server, [...(byServer.get(t.server) || []), t.name]);
+  }
+  return byServer;
+}
+
+/** The names a whitelist offers: `server__*` stands for every tool that server lists now. */
+export function offeredTools(names, tools) {
+  const byServer = serverTools(tools);
+  return new Set(names.flatMap((n) => (n.endsWith("__*") ? byServer.get(n.slice(0, -3)) || [] : [n])));
+}
+
 /** Checkboxes for `names` (described from `tools`) in `box`, ticked where `checked` has them. */
 export function renderToolChecks(box, names, tools, checked, test = "tool-checkbox") {
   const described = new Map(uniqueTools(tools).map((t) => [t.name, t]));
+  const byServer = serverTools(tools);
   box.replaceChildren(...names.map((name) => {
     const label = node("label", "tool-check");
     const input = document.createElement("input");
@@ -32,7 +51,12 @@ export function renderToolChecks(box, names, tools, checked, test = "tool-checkb
       if (tool.available === false) label.classList.add("unavailable");
     }
     label.append(input, node("span", "tool-name", name));
-    if (tool?.available === false) label.append(node("span", "faint", " (not configured)"));
+    if (name.endsWith("__*")) {
+      const count = (byServer.get(name.slice(0, -3)) || []).length;
+      label.append(node("span", "faint", ` (every tool of ${name.slice(0, -3)}: ${count} now)`));
+    } else if (tool?.available === false) {
+      label.append(node("span", "faint", tool.runs === "mcp" ? " (server down)" : " (not configured)"));
+    }
     return label;
   }));
 }
@@ -54,6 +78,16 @@ export class PresetEditor {
       e.preventDefault();
       this.save();
     });
+    $("preset-tools-list").addEventListener("change", () => this.warnIfMany());
+  }
+
+  /** A preset offering more than about a dozen tools is allowed, with a word on why fewer choose better. */
+  warnIfMany() {
+    const count = offeredTools(checkedTools($("preset-tools-list")), this.app.tools()).size;
+    const warning = $("preset-tools-warning");
+    warning.hidden = count <= TOOLS_WARN_OVER;
+    warning.textContent = `This preset offers ${count} tools. Small models choose worse among many: ` +
+      `about ${TOOLS_WARN_OVER} or fewer work best.`;
   }
 
   render() {
@@ -84,8 +118,15 @@ export class PresetEditor {
     $("preset-form-title").textContent = preset ? `Edit “${preset.name}”` : "New preset";
     $("preset-name").value = preset?.name ?? "";
     $("preset-text").value = preset?.text ?? "";
-    const names = uniqueTools(this.app.tools()).map((t) => t.name);
+    // Each MCP server's tools follow a `server__*` choice that takes them all, as they are now or later.
+    const names = [];
+    for (const t of uniqueTools(this.app.tools())) {
+      if (t.runs === "mcp" && !names.includes(`${t.server}__*`)) names.push(`${t.server}__*`);
+      names.push(t.name);
+    }
+    for (const name of preset?.tools ?? []) if (!names.includes(name)) names.push(name);
     renderToolChecks($("preset-tools-list"), names, this.app.tools(), preset?.tools ?? []);
+    this.warnIfMany();
     const model = $("preset-model");
     const ids = (this.app.models()?.tiers || []).flatMap((t) => t.models.map((m) => m.id));
     if (preset?.model && !ids.includes(preset.model)) ids.push(preset.model);

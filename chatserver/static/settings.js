@@ -4,6 +4,7 @@
 // page does not second-guess the server's validation.
 
 import { api } from "./api.js";
+import { McpServersPanel } from "./mcpservers.js";
 import { PresetEditor, checkedTools, renderToolChecks } from "./preseteditor.js";
 import { TIERS, node, tierLabel } from "./ui.js";
 
@@ -12,7 +13,8 @@ const $ = (id) => document.getElementById(id);
 export class SettingsPanel {
   /**
    * `app` supplies `conversation()` (the open one), `conversationChanged(conv)`, `models()`,
-   * `modelsChanged()`, `presets()`, `presetsChanged()`, `tools()`, `health()` and `memoryChanged()`.
+   * `modelsChanged()`, `presets()`, `presetsChanged()`, `tools()`, `toolsChanged()`, `health()` and
+   * `memoryChanged()`.
    */
   constructor(app) {
     this.app = app;
@@ -43,6 +45,7 @@ export class SettingsPanel {
         this.refreshPresetOptions();
       },
     });
+    this.mcp = new McpServersPanel(app);
     // The memory text as last read or saved, to tell an edit from no change.
     this.savedMemory = null;
     $("settings-close").addEventListener("click", () => this.requestClose());
@@ -88,7 +91,7 @@ export class SettingsPanel {
   }
 
   async open({ focus } = {}) {
-    for (const id of ["settings-status", "models-status"]) setStatus(id, "");
+    for (const id of ["settings-status", "models-status", "mcp-status"]) setStatus(id, "");
     this.hideDiscard();
     // Read before showing: a late answer must never overwrite what the person starts typing.
     try {
@@ -99,11 +102,14 @@ export class SettingsPanel {
       setStatus("settings-status", err.message, true);
     }
     this.renderQuota();
+    // MCP tools come and go with their servers: the preset editor offers what is there now.
+    await this.app.toolsChanged().catch(() => {});
     this.fillConversation();
     this.presetEditor.render();
     this.renderLineup();
     this.renderGateway();
     if (!this.dialog.open) this.dialog.showModal();
+    this.mcp.render();
     if (focus === "gateway") $("gateway-section").focus();
   }
 

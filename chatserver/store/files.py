@@ -434,6 +434,12 @@ class Store(Protocol):
 
     async def write_custom_models(self, models: list[dict]) -> None: ...
 
+    async def read_mcp_servers(self) -> list[dict]:
+        """The MCP servers admins added in the page (tools/mcp.py checks each entry)."""
+        ...
+
+    async def write_mcp_servers(self, servers: list[dict]) -> None: ...
+
     async def flush(self) -> None:
         """Wait until every acknowledged change is durable (at shutdown)."""
 
@@ -534,6 +540,7 @@ class FileStore:
         self.root = Path(data_dir)
         self.conversations_dir = self.root / "conversations"
         self.models_path = self.root / "models.json"
+        self.mcp_path = self.root / "mcp_servers.json"
         self.conversations_dir.mkdir(parents=True, exist_ok=True)
         self.before_write = before_write
         self._cache: dict[str, tuple[tuple[int, int], dict]] = {}
@@ -887,22 +894,34 @@ class FileStore:
                 continue
         return out
 
-    async def read_custom_models(self) -> list[dict]:
+    def _read_list(self, path: Path) -> list[dict]:
+        """The objects of a small JSON list file; none when it is missing or damaged (logged)."""
         try:
-            data = orjson.loads(read_small_file(self.models_path))
+            data = orjson.loads(read_small_file(path))
         except FileNotFoundError:
             return []
         except (OSError, orjson.JSONDecodeError) as exc:
-            log.warning("ignoring damaged %s: %s", self.models_path.name, exc)
+            log.warning("ignoring damaged %s: %s", path.name, exc)
             return []
         if not isinstance(data, list):
-            log.warning("ignoring damaged %s: not a JSON list", self.models_path.name)
+            log.warning("ignoring damaged %s: not a JSON list", path.name)
             return []
-        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+        return [item for item in data if isinstance(item, dict)]
+
+    async def read_custom_models(self) -> list[dict]:
+        return [m for m in self._read_list(self.models_path) if isinstance(m.get("id"), str)
                 and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
 
     async def write_custom_models(self, models: list[dict]) -> None:
         atomic_write(self.models_path, _dumps(models))
+
+    async def read_mcp_servers(self) -> list[dict]:
+        return self._read_list(self.mcp_path)
+
+    async def write_mcp_servers(self, servers: list[dict]) -> None:
+        # Not _dumps: the header values admins gave are what reaches the servers, so the one place
+        # they are kept is not redacted (they are kept secret everywhere else, mcp.py).
+        atomic_write(self.mcp_path, orjson.dumps(servers, option=orjson.OPT_INDENT_2))
 
 
 class FileOwnerStore:

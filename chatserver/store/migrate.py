@@ -60,6 +60,9 @@ async def migrate(source: Store, target: Store) -> dict[str, int]:
     if models:
         await target.write_custom_models(models)
         copied["custom_models"] = len(models)
+    servers = await source.read_mcp_servers()
+    if servers:
+        await target.write_mcp_servers(servers)
     await target.flush()
     return copied
 

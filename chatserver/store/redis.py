@@ -625,22 +625,33 @@ class RedisStore:
         raise StoreUnavailable(f"Redis at {self.where}: conversation {conv_id} changed {MAX_ATTEMPTS} times "
                                "under this write")
 
-    async def read_custom_models(self) -> list[dict]:
+    async def _read_list(self, key: str, what: str) -> list[dict]:
+        """The objects of a small JSON list under `key`; none when it is missing or damaged (logged)."""
         with self.reachable():
-            raw = await self.redis.get(f"{self.prefix}models")
+            raw = await self.redis.get(f"{self.prefix}{key}")
         try:
             data = orjson.loads(raw) if raw else []
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, list):
-            log.warning("ignoring damaged custom models in Redis")
+            log.warning("ignoring damaged %s in Redis", what)
             return []
-        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+        return [item for item in data if isinstance(item, dict)]
+
+    async def read_custom_models(self) -> list[dict]:
+        return [m for m in await self._read_list("models", "custom models") if isinstance(m.get("id"), str)
                 and m.get("tier", "balanced") in ("fast", "balanced", "frontier")]
 
     async def write_custom_models(self, models: list[dict]) -> None:
         with self.reachable():
             await self.redis.set(f"{self.prefix}models", orjson.dumps(models))
+
+    async def read_mcp_servers(self) -> list[dict]:
+        return await self._read_list("mcp_servers", "MCP servers")
+
+    async def write_mcp_servers(self, servers: list[dict]) -> None:
+        with self.reachable():
+            await self.redis.set(f"{self.prefix}mcp_servers", orjson.dumps(servers))
 
     # Small JSON values for other modules (accounts, sessions): the seam they build on.
     def _kv_key(self, key: str) -> str:

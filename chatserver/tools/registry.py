@@ -49,6 +49,8 @@ DEFAULT_TOOL_TIMEOUT = 30.0
 SEARCH_RESULTS_MAX = 5
 TOOL_NAME_MAX_CHARS = 64  # the longest tool name the gateways accept
 TOOL_ID_MAX_CHARS = 128
+# An MCP server's tool is `server__tool`; a whitelist names a whole server as `server__*`.
+MCP_SEPARATOR = "__"
 # The tools the gateway itself can run as server tools on /v1/messages (tool_runtime "gateway").
 GATEWAY_TOOLS = ("web_search", "web_fetch")
 Wire = Literal["chat", "messages"]
@@ -168,6 +170,13 @@ class Tool:
     parameters: dict
     # None: always offered; otherwise whether these settings configure it (web_search needs SEARXNG_URL).
     requires: Callable[[Settings], bool] | None = None
+    # A tool of an MCP server (mcp.py): `server` names it, `call` takes the checked arguments as
+    # they came (`fn` and `arguments` are unused), `check` refuses arguments its schema does not
+    # allow, and `timeout` (MCP_TIMEOUT) replaces TOOL_TIMEOUT.
+    server: str | None = None
+    call: Callable[[dict], Awaitable[str | ToolOutput]] | None = None
+    check: Callable[[dict], None] | None = None
+    timeout: float | None = None
 
     def available(self, settings: Settings | None) -> bool:
         return self.requires is None or (settings is not None and self.requires(settings))
@@ -180,6 +189,9 @@ class Registry:
         self._tools: dict[str, Tool] = {}
         self.failures: Counter[str] = Counter()  # unexpected exceptions: bugs
         self.errors: Counter[str] = Counter()    # expected failures: network, timeouts, bad arguments
+        # The MCP servers this process is configured with, connected or not (mcp.py keeps it):
+        # a preset may name their tools, or `server__*`, before the server first answers.
+        self.servers: dict[str, Callable[[], dict]] = {}
 
     def tool(self, fn=None, *, name: str | None = None, requires: Callable[[Settings], bool] | None = None):
         """Decorator form of `register`: `@registry.tool` or `@registry.tool(requires=...)`."""
@@ -210,6 +222,23 @@ class Registry:
     def get(self, name: str) -> Tool | None:
         return self._tools.get(name)
 
+    def set_server_tools(self, server: str, server_tools: Iterable[Tool]) -> None:
+        """Replace every tool of one MCP server (none: the server is gone)."""
+        for name in [n for n, t in self._tools.items() if t.server == server]:
+            del self._tools[name]
+        for tool in server_tools:
+            if tool.name in self._tools:
+                raise ValueError(f"a tool named {tool.name} is already registered")
+            self._tools[tool.name] = tool
+
+    def accepts(self, name: str) -> bool:
+        """Whether a preset's whitelist may name this: a registered tool, or `server__tool` and
+        `server__*` of a configured MCP server (its tools may not be listed yet)."""
+        if name in self._tools:
+            return True
+        server, sep, rest = name.partition(MCP_SEPARATOR)
+        return bool(sep and rest) and server in self.servers
+
     def names(self) -> list[str]:
         """Every registered tool, configured or not."""
         return list(self._tools)
@@ -233,11 +262,21 @@ class Registry:
         return out
 
     def listing(self, settings: Settings | None) -> list[dict]:
-        """`GET /api/tools`: local tools with schemas and failure counts, then the gateway's server tools."""
-        local = [{"name": t.name, "description": t.description, "parameters": t.parameters, "runs": "local",
-                  "available": t.available(settings), "failures": self.failures[t.name],
-                  "errors": self.errors[t.name]} for t in self._tools.values()]
+        """`GET /api/tools`: local and MCP tools with schemas and failure counts, then the gateway's server tools."""
+        local = []
+        for t in self._tools.values():
+            entry = {"name": t.name, "description": t.description, "parameters": t.parameters, "runs": "local",
+                     "available": t.available(settings), "failures": self.failures[t.name],
+                     "errors": self.errors[t.name]}
+            if t.server is not None:
+                state = self.servers.get(t.server)
+                entry.update(runs="mcp", server=t.server, available=bool(state and state().get("connected")))
+            local.append(entry)
         return local + [dict(entry, failures=0, errors=0) for entry in _GATEWAY_LISTING]
+
+    def server_states(self) -> list[dict]:
+        """Each configured MCP server's `{name, connected, error, failures}`."""
+        return [state() for state in self.servers.values()]
 
     async def run(self, name: str, raw_arguments: str | dict, enabled: Iterable[str], *,
                   call_id: str = "", timeout: float | None = None) -> ToolResult:
@@ -255,12 +294,18 @@ class Registry:
             if not tool.available(ctx.settings if ctx else None):
                 raise ToolError("this tool is not configured on this server")
             arguments = _parse_arguments(raw_arguments)
-            try:
-                parsed = tool.arguments.model_validate(arguments)
-            except ValidationError as exc:
-                raise ToolError(f"bad arguments: {_validation_message(exc)}") from None
-            limit = timeout or (ctx.settings.tool_timeout if ctx else DEFAULT_TOOL_TIMEOUT)
-            output = await _call_with_deadline(tool, parsed, limit)
+            limit = timeout or tool.timeout or (ctx.settings.tool_timeout if ctx else DEFAULT_TOOL_TIMEOUT)
+            if tool.call is not None:
+                if tool.check is not None:
+                    tool.check(arguments)
+                output = await _with_deadline(tool.call(arguments), limit)
+            else:
+                try:
+                    parsed = tool.arguments.model_validate(arguments)
+                except ValidationError as exc:
+                    raise ToolError(f"bad arguments: {_validation_message(exc)}") from None
+                kwargs = {key: getattr(parsed, key) for key in type(parsed).model_fields}
+                output = await _with_deadline(tool.fn(**kwargs), limit)
             if isinstance(output, str):
                 output = ToolOutput(output)
             elif not isinstance(output, ToolOutput):
@@ -359,13 +404,13 @@ class Registry:
                           _elapsed_ms(started), (), reason)
 
 
-async def _call_with_deadline(tool: Tool, parsed: BaseModel, limit: float) -> str | ToolOutput:
-    """The tool's own coroutine under TOOL_TIMEOUT; only our deadline reads as a timeout."""
-    kwargs = {key: getattr(parsed, key) for key in type(parsed).model_fields}
+async def _with_deadline(call: Awaitable[str | ToolOutput], limit: float) -> str | ToolOutput:
+    """The tool's own coroutine under TOOL_TIMEOUT (MCP_TIMEOUT for MCP tools); only our deadline
+    reads as a timeout."""
     deadline = asyncio.timeout(limit)
     try:
         async with deadline:
-            return await tool.fn(**kwargs)
+            return await call
     except TimeoutError:
         if deadline.expired():
             raise ToolError(f"timed out after {limit:g} s") from None
@@ -478,13 +523,23 @@ def select_tools(reg: Registry, settings: Settings, *, allowed: Iterable[str], c
     if runtime == "none":
         return Selection((), ())
     allowed_set = set(allowed)
-    chosen_set = allowed_set if chosen is None else set(chosen) & allowed_set
+    chosen_set = allowed_set if chosen is None else set(chosen)
     toggles = {"web_search": web_search, "web_fetch": web_fetch}
-    local = [n for n in reg.available(settings) if n in chosen_set and toggles.get(n, True)]
+    local = [n for n in reg.available(settings)
+             if whitelisted(reg, n, allowed_set) and whitelisted(reg, n, chosen_set) and toggles.get(n, True)]
     if runtime == "gateway":
         gateway = tuple(n for n in GATEWAY_TOOLS if toggles[n])
         return Selection(tuple(n for n in local if n not in GATEWAY_TOOLS), gateway)
     return Selection(tuple(local), ())
+
+
+def whitelisted(reg: Registry, name: str, names: Iterable[str]) -> bool:
+    """Whether a whitelist names this tool, itself or (an MCP tool) its whole server as `server__*`."""
+    wanted = names if isinstance(names, (set, frozenset)) else set(names)
+    if name in wanted:
+        return True
+    tool = reg.get(name)
+    return tool is not None and tool.server is not None and f"{tool.server}{MCP_SEPARATOR}*" in wanted
 
 
 # --- The built-in tools -------------------------------------------------------------------------
