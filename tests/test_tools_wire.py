@@ -13,6 +13,7 @@ import pytest
 from chatserver.config import Settings
 from chatserver.turns import context
 from chatserver.turns.events import (
+    CallOpened,
     CitationFound,
     FetchDone,
     Finished,
@@ -138,6 +139,7 @@ class Gateway:
     def __init__(self, *bodies: Upstream | list[bytes]) -> None:
         self.bodies = [b if isinstance(b, Upstream) else Upstream(b) for b in bodies]
         self.requests: list[httpx.Request] = []
+        self.opened: list[dict] = []  # each request's billing record (CallOpened), apart from the events
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
@@ -157,7 +159,10 @@ async def collect(*bodies, **overrides) -> tuple[list, UpstreamError | None, Gat
     async with httpx.AsyncClient(transport=httpx.MockTransport(gateway)) as client:
         try:
             async for event in stream_of(client, **overrides):
-                events.append(event)
+                if isinstance(event, CallOpened):
+                    gateway.opened.append(event.call)
+                else:
+                    events.append(event)
         except UpstreamError as failure:
             return events, failure, gateway
     return events, None, gateway
@@ -165,6 +170,12 @@ async def collect(*bodies, **overrides) -> tuple[list, UpstreamError | None, Gat
 
 def split_every(data: bytes, size: int) -> list[bytes]:
     return [data[i:i + size] for i in range(0, len(data), size)]
+
+
+async def test_each_request_opens_one_billing_record_named_by_its_message_id():
+    _, failure, gateway = await collect([FULL_TURN])
+    assert failure is None
+    assert [call["generation"] for call in gateway.opened] == ["msg_1"]
 
 
 @pytest.mark.parametrize("size", [len(FULL_TURN), 1, 2, 7], ids=["whole", "1-byte", "2-byte", "7-byte"])
@@ -288,6 +299,7 @@ async def test_stopping_the_consumer_closes_the_upstream_response():
     gateway = Gateway(upstream)
     async with httpx.AsyncClient(transport=httpx.MockTransport(gateway)) as client:
         async with contextlib.aclosing(stream_of(client)) as events:
+            assert isinstance(await anext(events), CallOpened)
             assert await anext(events) == TextDelta("Once")
         assert upstream.closed
 

@@ -89,9 +89,10 @@ async def run(args: argparse.Namespace) -> dict[str, int]:
             opened[kind] = store = open_store(kind, args)
             await store.ping()
         copied = await migrate(opened[args.source], opened[args.target])
-        copied["charges"] = await copy_ledger(*(ledger_of(opened[kind], args) for kind in (args.source, args.target)))
         copied["attachments"] = await migrate_attachments_between(args)
-        return {**copied, **await migrate_accounts(args, opened)}
+        copied.update(await migrate_accounts(args, opened))
+        copied["charges"] = await copy_ledger(*(ledger_of(opened[kind], args) for kind in (args.source, args.target)))
+        return copied
     finally:
         for store in opened.values():
             await store.close()
