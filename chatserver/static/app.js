@@ -175,11 +175,13 @@ function wire() {
 async function boot() {
   wire();
   const readProjects = () => loadProjects().catch(showError);
-  // A turn's cost counts toward the month's budget as it ends: the warning is read again then.
+  // A turn's cost counts toward the month's budget as it ends: the warning is read again then, for
+  // a turn of the conversation on screen (a page left idle makes no requests for others' turns).
   const budgetWarning = $("budget-warning");
   const turnChanged = (event) => {
+    const shown = store.conv?.id === event.id;
     onTurn(event);
-    if (event.state === "ended") checkBudget(budgetWarning);
+    if (event.state === "ended" && shown) checkBudget(budgetWarning);
   };
   listen({ conversation: onConversation, deleted: onDeleted, turn: turnChanged, project: readProjects, reconnected: () => {
     reconnected();
