@@ -16,10 +16,12 @@ const STATUS_WORDS = {
 };
 
 export class ApiError extends Error {
-  constructor(status, detail) {
+  /** `errors`: a refused body's fields, [{loc, msg}], for a form to name in its own words. */
+  constructor(status, detail, errors = []) {
     super(describeDetail(detail) || STATUS_WORDS[status] || `the server answered ${status}`);
     this.status = status;
     this.detail = detail;
+    this.errors = errors;
   }
 }
 
@@ -44,18 +46,20 @@ async function request(method, path, body, { retryBusy = false, signal } = {}) {
     init.body = JSON.stringify(body);
   }
   const res = await (retryBusy ? fetchRetryingBusy(path, init) : fetch(path, init));
-  if (!res.ok) throw new ApiError(res.status, await readDetail(res));
+  if (!res.ok) throw await refusal(res);
   if (res.status === 204) return null;
   const type = res.headers.get("content-type") || "";
   return type.includes("json") ? res.json() : null;
 }
 
-async function readDetail(res) {
+async function refusal(res) {
+  let body = {};
   try {
-    return (await res.json()).detail;
+    body = await res.json();
   } catch {
-    return undefined; // not the server's JSON: the status says it (STATUS_WORDS)
+    // Not the server's JSON: the status says it (STATUS_WORDS).
   }
+  return new ApiError(res.status, body?.detail, Array.isArray(body?.errors) ? body.errors : []);
 }
 
 const conv = (id) => `/api/conversations/${encodeURIComponent(id)}`;
@@ -178,7 +182,7 @@ export async function attachTurn(id, after, signal) {
     signal,
   });
   if (res.status === 204) return null;
-  if (!res.ok) throw new ApiError(res.status, await readDetail(res));
+  if (!res.ok) throw await refusal(res);
   return res;
 }
 
@@ -193,6 +197,6 @@ export async function openTurn(id, kind, body, signal) {
     body: JSON.stringify(body),
     signal,
   });
-  if (!res.ok) throw new ApiError(res.status, await readDetail(res));
+  if (!res.ok) throw await refusal(res);
   return res;
 }

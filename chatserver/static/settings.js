@@ -283,8 +283,24 @@ export class SettingsPanel {
       setStatus("settings-status", done.length ? `Saved ${done.join(" and ")}.` : "Nothing changed.");
     } catch (err) {
       const kept = done.length ? ` (${done.join(" and ")} saved)` : "";
-      setStatus("settings-status", err.message + kept, true);
+      setStatus("settings-status", this.refusedFields(err) + kept, true);
     }
+  }
+
+  /**
+   * What the server refused, each field called by its label here ("Context budget (tokens): ...",
+   * not "settings.context_budget: ..."), the first one focused; its detail when it names no field.
+   */
+  refusedFields(err) {
+    const named = (err.errors || []).map((e) => {
+      const field = this.fields[e.loc?.at(-1)];
+      const label = field?.labels?.[0]?.textContent.trim();
+      // Pydantic heads a validator's own sentence with its kind ("Value error, ...").
+      return label ? { field, text: `${label}: ${String(e.msg).replace(/^Value error, /, "")}` } : null;
+    });
+    if (!named.length || named.includes(null)) return err.message;
+    named[0].field.focus();
+    return named.map((n) => n.text).join("; ");
   }
 
   /** The tool choice goes on its own, so the status can say when only the tools changed. */

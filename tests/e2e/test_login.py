@@ -34,7 +34,7 @@ def test_the_page_asks_for_the_access_token_and_then_works(browser, guarded_serv
         dialog.get_by_role("button", name="Log in").click()
         expect(page.locator("body")).to_have_attribute("data-ready", "true")
         expect(dialog).to_be_hidden()
-        expect(page.get_by_test_id("conversation-list").locator("li")).to_have_count(1)
+        expect(page.get_by_test_id("conversation-list").locator("li.conv-item")).to_have_count(1)
         assert "correct horse" not in str(context.cookies())
     finally:
         context.close()

@@ -5,6 +5,7 @@ header title that keeps its words next to the header's buttons."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 
 from playwright.sync_api import expect
@@ -209,3 +210,20 @@ def test_the_header_title_keeps_its_words_at_390_px(browser, server):
     assert page.js_errors == [], page.js_errors
     page.context.close()
 
+
+
+def test_with_a_mouse_the_menu_of_any_row_is_reached_by_tab(browser, server):
+    titles = [("Tab to my menu", datetime(2026, 6, 13, 9, 0, tzinfo=UTC), "")]
+    other = server.api("POST", "/api/import", files={"file": ("c.json", chatgpt_export(titles))}).json()["imported"][0]
+    page = open_page(browser, server.base_url)
+    row = page.get_by_test_id("conversation-list").locator(f"li[data-id='{other}']")
+    expect(row).not_to_have_class(re.compile("active"))
+    row.locator(".conv-open").focus()
+    page.keyboard.press("Tab")
+    expect(row.get_by_test_id("conversation-actions")).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(row.get_by_role("menuitem", name="Rename")).to_be_focused()
+    page.keyboard.press("Escape")
+    expect(row.get_by_test_id("conversation-actions-menu")).to_have_count(0)
+    assert page.js_errors == [], page.js_errors
+    page.context.close()
