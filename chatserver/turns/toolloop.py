@@ -137,7 +137,8 @@ class ToolLoop:
         choice = "none" if final else None
         messages = prompt.messages + extra
         if self.wire == "chat":
-            body = chat.build_body(self.model, prompt.system, messages, max_tokens=self.settings.max_completion_tokens,
+            sent = messages if self.plain_text else prompt.encodable() + extra
+            body = chat.build_body(self.model, prompt.system, sent, max_tokens=self.settings.max_completion_tokens,
                                    plain_text=self.plain_text,
                                    params=self.settings.params_for(self.model),
                                    tools=self.registry.declarations(self.selection.local, "chat"), tool_choice=choice)
