@@ -30,7 +30,7 @@ LOOPBACK_NAMES = {"localhost", "127.0.0.1", "[::1]", "::1"}
 STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
 # Reachable without logging in, so a person can open the page and log in; /api/auth/me answers
 # 401 itself, saying which kind of login the page should offer.
-PUBLIC_PATHS = {"/", "/healthz", "/api/login", "/api/auth/login", "/api/auth/me"}
+PUBLIC_PATHS = {"/", "/healthz", "/api/login", "/api/auth/login", "/api/auth/me", "/metrics"}
 # The page is same-origin modules and one stylesheet with no inline script, so everything else
 # is refused: an injected <script>, a plugin, a foreign frame, a <base> or form redirect. data:
 # images only for the page's empty favicon (`<link rel="icon" href="data:,">`).

@@ -22,16 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import anyio
 
+from chatserver import metrics
 from chatserver.api.sse import encode
 from chatserver.store.files import NotFound, StoreUnavailable
 from chatserver.store.person_events import PersonEvents, tell_turn
 from chatserver.turns.checkpoints import keep_checkpoints
-from chatserver.turns.events import TurnDone
+from chatserver.turns.events import TurnDone, TurnEvent
 from chatserver.turns.pipeline import Turn, Turns
 from chatserver.turns.reply import done_event
 
@@ -119,16 +121,19 @@ class RunningTurn:
     async def drive(self, turns: Turns, checkpoint_seconds: float) -> None:
         turn = self.turn
         checkpoints = asyncio.create_task(keep_checkpoints(turn, checkpoint_seconds)) if checkpoint_seconds else None
+        watch = TurnWatch(turn.model)
         try:
             with self._scope:
                 async with contextlib.aclosing(turns.run(turn)) as events:
                     async for event in events:
+                        watch.saw(event)
                         self._say(event)
             if not self.finished:
                 # Stopped: the pipeline saved the partial reply on its way out; every follower learns how it ended.
                 with anyio.CancelScope(shield=True):
-                    self._say(await self._stopped_done())
+                    self._say(watch.saw(await self._stopped_done()))
         finally:
+            watch.ended()
             if checkpoints is not None:
                 checkpoints.cancel()
             try:
@@ -152,6 +157,30 @@ class RunningTurn:
             conv = await turn.store.get(turn.conv_id)
             stored = next((m for m in reversed(conv["messages"]) if m["id"] == turn.assistant_id), None)
         return done_event(turn.assistant_id, stored, "interrupted")
+
+
+class TurnWatch:
+    """What one turn tells /metrics: its first token, how it ended, what it used."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.began = time.monotonic()
+        self.first = False
+        self.outcome, self.kind = "interrupted", ""  # a turn cut off before its last event
+
+    def saw(self, event: TurnEvent) -> TurnEvent:
+        if event.type == "delta" and not self.first:
+            self.first = True
+            metrics.active.first_token.observe(time.monotonic() - self.began)
+        elif event.type == "done":
+            self.outcome = "complete" if event.status == "complete" else "interrupted"
+            metrics.active.usage(self.model, event.usage)
+        elif event.type == "error":
+            self.outcome, self.kind = "failed", event.kind
+        return event
+
+    def ended(self) -> None:
+        metrics.active.turn_ended(self.outcome, self.kind, time.monotonic() - self.began)
 
 
 class Started(Protocol):

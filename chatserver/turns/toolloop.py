@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Literal
 
+from chatserver import metrics
 from chatserver.config import Settings
 from chatserver.tools import registry as tools
 from chatserver.turns.context import Prompt
@@ -117,6 +118,7 @@ class ToolLoop:
                 results[result.call_id] = result
                 yield ToolStep(result.event(), result.citations)
             ordered = [results[call.id] for call in calls]
+            self._count(ordered)
             yield ToolRound(self._round(text, calls, ordered))
             extra += self._wire_round(text, calls, self._kept_blocks(requested, calls), ordered)
 
@@ -152,6 +154,14 @@ class ToolLoop:
                                 pause_turn_max=self.settings.pause_turn_max, tool_choice=choice,
                                 dropped=self.dropped)
         return source
+
+    def _count(self, results: list[tools.ToolResult]) -> None:
+        """/metrics: each call and each [tool error], by tool (a name the model made up counts as `unknown`)."""
+        for result in results:
+            tool = result.name if result.name in self.registry else "unknown"
+            metrics.active.tool_calls.labels(tool).inc()
+            if not result.ok:
+                metrics.active.tool_errors.labels(tool).inc()
 
     @staticmethod
     def _round(text: str, calls: tuple[tools.Call, ...], results: list[tools.ToolResult]) -> dict:
