@@ -289,6 +289,17 @@ class Prompt:
             return self.messages  # nothing walked, or its last message was dressed (the cache marker)
         return walked.encoded + self.messages[len(walked.wire):]
 
+    def uncounted(self) -> int:
+        """Characters of the messages the walk's count does not cover, which `tokens` may have to
+        tokenize afresh (the system layers change seldom: their counts come from the token cache)."""
+        counted = min(self.walked.counted, len(self.walked.wire)) if self.walked is not None else 0
+        fresh = 0
+        for m in self.messages[counted:]:
+            content = m["content"] or ""
+            fresh += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+            fresh += sum(len(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
+        return fresh
+
     def tokens(self) -> int:
         """Our own count of everything we send, piece by piece so unchanged pieces come from cache."""
         total = sum(count_tokens(p["text"]) for p in self.system)

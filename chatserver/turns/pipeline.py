@@ -54,6 +54,8 @@ from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import StreamRedactor, UpstreamError, classify_exception, redact_value
 
 log = logging.getLogger("chat.turns")
+# A prompt with at most this much text not counted before is counted on the loop (well under 1 ms).
+INLINE_COUNT_CHARS = 4_000
 
 NEW_TITLE = "New conversation"
 # How long a turn that ended while the store was down keeps trying to release its lock.
@@ -462,7 +464,7 @@ class Turns:
                                               today=dt.date.today(),
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
                                               attachments=files)
-                turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
+                turn.counting = count_soon(prompt)
                 try:
                     turn.requested = True
                     async with contextlib.aclosing(self._transport(turn, conv, prompt, bool(files))) as events:
@@ -679,6 +681,17 @@ class Turns:
         except NotFound:
             log.info("conversation %s was deleted while it streamed; reply dropped", turn.conv_id)
         return message
+
+
+def count_soon(prompt: context.Prompt) -> asyncio.Future:
+    """Our count of the prompt: here when little text is new to it (the usual turn: its history's
+    count is kept with its walk), in a worker thread when much is, so that counting a long history
+    or a long message never holds up the loop."""
+    if prompt.uncounted() <= INLINE_COUNT_CHARS:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(prompt.tokens())
+        return done
+    return asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
 
 
 def _set_answers_aside(conv: dict, *, question: str) -> None:
