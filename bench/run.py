@@ -905,6 +905,10 @@ def phase_history(gw: Gateway, server: Service, data_dir: Path, template: dict, 
         conv_id, size_mb = write_history(data_dir, template, n)
         # The page opens a conversation before its first turn; that read (and parse) is not the turn's.
         httpx.get(f"{server.url}/api/conversations/{conv_id}", timeout=60).raise_for_status()
+        # Nor is the search index's one-time take-up of a file written behind the server's back: one
+        # untimed turn has it indexed, and a search waits for the index's queued writes.
+        timed_turns(gw, server, conv_id, tags, work, 1)
+        httpx.get(f"{server.url}/api/search", params={"q": "bench"}, timeout=120).raise_for_status()
         turns = timed_turns(gw, server, conv_id, tags, work, HISTORY_TURNS)
         good = [t for t in turns if t["ok"]]
         out[n] = {"id": conv_id, "file_mb": size_mb, "turns": len(turns), "ok": len(good),
