@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from chatserver import logs, metrics
 from chatserver.accounts.auth import Accounts
 from chatserver.accounts.files import FileAccountStore
 from chatserver.accounts.store import AccountStore
@@ -30,6 +31,7 @@ from chatserver.api import conversations, memory, models, people, projects, quot
 from chatserver.api import costs as cost_routes
 from chatserver.api import events as live
 from chatserver.api import exchange as exchange_routes
+from chatserver.api import metrics as metrics_routes
 from chatserver.api import presets as preset_routes
 from chatserver.api.deps import State
 from chatserver.api.guard import SECURITY_HEADERS, Guard
@@ -254,8 +256,10 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
     install_error_answers(app)
     document_error_answers(app)
     app.mount("/static", site.RevalidatedStatic(directory=site.STATIC, check_dir=False), name="static")
+    metrics.start()
     for module in (site, auth_routes, models, preset_routes, memory, conversations, attachment_routes,
-                   exchange_routes, live, quota, remote_images, projects, sharing, people, cost_routes):
+                   exchange_routes, live, quota, remote_images, projects, sharing, people, cost_routes,
+                   metrics_routes):
         app.include_router(module.router)
     app.add_middleware(Guard)
     return app
@@ -371,12 +375,10 @@ def main() -> None:
 
     if problem := workers.workers_problem(settings):
         sys.exit("configuration error:\n  " + problem)
-    log_format = "%(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=log_format)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    logs.configure(settings)
     serving.raise_open_file_limit()  # before any worker is forked: each inherits it
     if settings.workers > 1:
-        sys.exit(workers.serve(settings, log_format))
+        sys.exit(workers.serve(settings))
     app = create_app(settings)
     settle_garbage_collector()
     uvicorn.run(app, **serving.uvicorn_options(settings))

@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     workers: int = Field(1, ge=1, le=256)
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     access_token: str | None = Field(default=None, repr=False)
+    # GET /metrics: readable by admins, or by a scraper sending `Authorization: Bearer <METRICS_TOKEN>`.
+    metrics_token: str | None = Field(default=None, repr=False)
+    # The log's lines: `text` for people, `json` (one object a line) for log shippers.
+    log_format: Literal["text", "json"] = "text"
     max_request_bytes: int = Field(2_097_152, gt=0)
     # Open client connections (lowered to fit the open-file limit) and the seconds a connection
     # may take to send its request head; see serving.py.
@@ -195,7 +199,7 @@ class Settings(BaseSettings):
     mcp_timeout: float = Field(30.0, gt=0)
     mcp_max_bytes: int = Field(16 * 1024 * 1024, gt=0)
 
-    @field_validator("gateway_base_url", "gateway_api_key", "access_token", "searxng_url",
+    @field_validator("gateway_base_url", "gateway_api_key", "access_token", "metrics_token", "searxng_url",
                      "conversation_ttl_days", "search_index_dir", "s3_endpoint_url", "s3_access_key_id",
                      "s3_secret_access_key", "vision_model", "mcp_servers", mode="before")
     @classmethod

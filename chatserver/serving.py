@@ -157,6 +157,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         # loopback peer; the app believes them from TRUSTED_PROXIES alone (auth.request_origin).
         "proxy_headers": False,
         "log_level": "info",
+        # JSON lines: uvicorn's own loggers then go through the root logger's JSON handler (logs.py).
+        **({"log_config": None} if settings.log_format == "json" else {}),
         # The seconds an idle kept-alive connection is held after a response (uvicorn's default, said here).
         "timeout_keep_alive": 5,
     }

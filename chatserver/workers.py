@@ -28,12 +28,14 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable
 
+from chatserver import logs, metrics
 from chatserver.config import Settings
 
 log = logging.getLogger("chat.workers")
@@ -72,14 +74,14 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _run_worker(settings: Settings, worker: int, sock: socket.socket, log_format: str) -> int:
+def _run_worker(settings: Settings, worker: int, sock: socket.socket) -> int:
     """In the forked child: build this worker's app and serve the shared socket until told to stop."""
     import uvicorn
 
     from chatserver import serving
     from chatserver.app import create_app, settle_garbage_collector
 
-    logging.basicConfig(level=logging.INFO, format=f"[worker {worker}] {log_format}", force=True)
+    logs.configure(settings, worker)
     app = create_app(worker_settings(settings, worker), worker=worker)
     settle_garbage_collector()
     server = uvicorn.Server(uvicorn.Config(app, **serving.uvicorn_options(settings)))
@@ -93,9 +95,9 @@ def _run_worker(settings: Settings, worker: int, sock: socket.socket, log_format
 class Supervisor:
     """The parent: forks the workers, starts a dead one again in its slot, stops them all on a signal."""
 
-    def __init__(self, settings: Settings, sock: socket.socket, log_format: str,
-                 run_worker: Callable[[Settings, int, socket.socket, str], int] = _run_worker) -> None:
-        self.settings, self.sock, self.log_format = settings, sock, log_format
+    def __init__(self, settings: Settings, sock: socket.socket,
+                 run_worker: Callable[[Settings, int, socket.socket], int] = _run_worker) -> None:
+        self.settings, self.sock = settings, sock
         self.run_worker = run_worker
         self.slots: dict[int, int] = {}  # pid -> worker number
         self.started_at: dict[int, float] = {}  # worker number -> when its current process started
@@ -112,7 +114,7 @@ class Supervisor:
             code = 1
             try:
                 _die_with_parent(parent)
-                code = self.run_worker(self.settings, worker, self.sock, self.log_format)
+                code = self.run_worker(self.settings, worker, self.sock)
             except BaseException:
                 logging.getLogger("chat.workers").exception("worker %d failed", worker)
             finally:
@@ -148,6 +150,8 @@ class Supervisor:
         while self.slots:
             pid, status = os.wait()
             worker = self.slots.pop(pid, 0)  # 0: not a worker (none is numbered 0)
+            if worker:
+                metrics.worker_gone(pid)
             if not worker or self.stopping:
                 continue
             first, ran = worker in self.first, time.monotonic() - self.started_at[worker]
@@ -179,17 +183,22 @@ class Supervisor:
         return self.stopping
 
 
-def serve(settings: Settings, log_format: str) -> int:
+def serve(settings: Settings) -> int:
     """Bind the port, run `settings.workers` workers on it until a signal; the exit code."""
     import uvicorn
 
     sock = uvicorn.Config("server:app", host=settings.host, port=settings.port).bind_socket()
     log.info("serving http://%s:%d with %d worker processes (parent pid %d)", settings.host, settings.port,
              settings.workers, os.getpid())
+    # /metrics adds up every worker's numbers from files in a directory of this start's own (removed at
+    # the end, so a restart never counts the last run's turns).
+    directory = metrics.fresh_directory()
+    os.environ[metrics.MULTIPROC_ENV] = str(directory)
     gc.collect()
     gc.freeze()  # what is loaded now is shared with every worker, copy-on-write: never walked again
     try:
-        return Supervisor(settings, sock, log_format).run()
+        return Supervisor(settings, sock).run()
     finally:
         sock.close()
+        shutil.rmtree(directory, ignore_errors=True)
         sys.stdout.flush()

@@ -3,6 +3,7 @@ store, including folded (archived) messages and sealed segments read back from d
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -272,3 +273,32 @@ async def test_the_index_follows_every_change_the_store_makes(app, api, client, 
     assert {r["title"] for r in (await client.get("/api/search", params={"q": "quokka"})).json()} == {"Marsupials"}
     await client.delete(f"/api/conversations/{conv['id']}")
     assert (await client.get("/api/search", params={"q": "quokka"})).json() == []
+
+
+async def test_writes_queued_together_go_in_one_transaction_and_a_failed_one_alone_is_lost(index, monkeypatch):
+    """Issue 30: a turn's saves no longer each wake the writer and commit on their own."""
+    commits = 0
+    transaction = SearchIndex._transaction
+
+    def counted(self, batch):
+        nonlocal commits
+        commits += 1
+        return transaction(self, batch)
+
+    monkeypatch.setattr(SearchIndex, "_transaction", counted)
+    convs = [conversation(f"talk {i}", f"needle{i} in a haystack") for i in range(50)]
+
+    def broken(conn, *args):
+        conn.execute("INSERT INTO convs (owner, conv_id, title, updated_at) VALUES ('me', 'half', 't', 'u')")
+        raise ValueError("a write that breaks half way")
+
+    writes = [index.index_conversation("me", c) for c in convs[:25]]
+    writes.append(index._submit(broken))
+    writes += [index.index_conversation("me", c) for c in convs[25:]]
+    done = await asyncio.gather(*writes, return_exceptions=True)
+
+    assert isinstance(done[25], ValueError) and all(d is None for i, d in enumerate(done) if i != 25)
+    assert commits < 10  # 51 writes queued in one go: a few batches, not 51 transactions
+    for i in (0, 24, 25, 49):
+        assert hits(await index.search("me", f"needle{i}")) == [(convs[i]["id"], convs[i]["messages"][0]["id"])]
+    assert "half" not in await index.stamps("me")  # the broken write's own change was rolled back

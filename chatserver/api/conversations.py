@@ -249,6 +249,7 @@ async def delete_conversation(conv_id: str, state: StateDep, store: OwnerStoreDe
     # A reply nobody can ever read would otherwise go on being generated and billed.
     await state.hub.stop(conv_id)
     await store.delete(conv_id)
+    context.forget(conv_id)
     # Its files go with it (the conversation was this owner's, or delete would have been 404).
     await state.attachments.delete_scope(conversation_scope(conv_id))
     return Response(status_code=204)

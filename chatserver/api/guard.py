@@ -32,7 +32,7 @@ STATE_CHANGING = {"POST", "PUT", "PATCH", "DELETE"}
 # Reachable without logging in, so a person can open the page and log in; /api/auth/me answers
 # 401 itself, saying which kind of login the page should offer. The usage page holds no data: its
 # script reads /api/usage (guarded) and sends a person who is not logged in to the page's login.
-PUBLIC_PATHS = {"/", "/usage", "/healthz", "/api/login", "/api/auth/login", "/api/auth/me"}
+PUBLIC_PATHS = {"/", "/usage", "/healthz", "/api/login", "/api/auth/login", "/api/auth/me", "/metrics"}
 # A shared copy is read by whoever holds its link, without an account (api/sharing.py).
 PUBLIC_PREFIXES = ("/static/", "/s/", "/api/shared/")
 # The page is same-origin modules and one stylesheet with no inline script, so everything else

@@ -14,6 +14,7 @@ import orjson
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 
+from chatserver import metrics
 from chatserver.turns.events import (
     CompareDone,
     CompareStarted,
@@ -128,11 +129,13 @@ class TurnResponse(EventSourceResponse):
         self._closed = closed
 
     async def __call__(self, scope, receive, send) -> None:
+        metrics.active.streams_open.inc()
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:
             # A reader that stopped reading (a frozen tab, a dead network path): not a server fault.
             log.info("dropped a turn stream whose reader accepted nothing for %ss", self.send_timeout)
         finally:
+            metrics.active.streams_open.dec()
             if self._closed is not None:
                 await self._closed()

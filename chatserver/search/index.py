@@ -31,6 +31,7 @@ import os
 import re
 import sqlite3
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,10 @@ class SearchIndex:
         self._write_conn: sqlite3.Connection | None = None
         self._closed = False
         self._last_write: asyncio.Future | None = None  # a search waits for it: it reads its writes
+        # Writes waiting for the writer thread, and whether a drain of them is already on its way.
+        self._queued: list[tuple[Callable, tuple, asyncio.Future]] = []
+        self._queue_lock = threading.Lock()
+        self._draining = False
 
     # Connections -----------------------------------------------------------------------------
 
@@ -273,22 +278,62 @@ class SearchIndex:
         return conn
 
     def _submit(self, fn, *args) -> asyncio.Future:
-        """Queue a write now (so writes keep the order of the calls); await the result or not."""
-        future = asyncio.get_running_loop().run_in_executor(self._writer, self._transaction, fn, *args)
+        """Queue a write now (so writes keep the order of the calls); await the result or not.
+
+        The writes that gather while the writer thread is busy go in together: one hand-off to
+        the thread, one transaction and one wake-up of the loop for the lot. A turn's two saves
+        each cost a thread hand-off and a commit of their own before, a hundred times a second.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         future.add_done_callback(_log_failure)
+        with self._queue_lock:
+            self._queued.append((fn, args, future))
+            start = not self._draining
+            self._draining = True
+        if start:
+            self._writer.submit(self._drain, loop)
         self._last_write = future
         return future
 
-    def _transaction(self, fn, *args):
-        conn = self._writing()
-        conn.execute("BEGIN IMMEDIATE")
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In the writer thread: run what has been queued, batch after batch, until nothing is left."""
+        while True:
+            with self._queue_lock:
+                batch, self._queued = self._queued, []
+                if not batch:
+                    self._draining = False
+                    return
+            outcomes = self._transaction(batch)
+            try:
+                loop.call_soon_threadsafe(_settle, outcomes)
+            except RuntimeError:
+                pass  # the loop has closed: nobody waits for these any more
+
+    def _transaction(self, batch: list[tuple[Callable, tuple, asyncio.Future]]) -> list[tuple[asyncio.Future, object]]:
+        """One transaction; each write in a savepoint of its own, so one that fails leaves the others in."""
+        outcomes: list[tuple[asyncio.Future, object]] = []
         try:
-            result = fn(conn, *args)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
+            conn = self._writing()
+            conn.execute("BEGIN IMMEDIATE")
+        except Exception as exc:
+            return [(future, exc) for _, _, future in batch]
+        try:
+            for fn, args, future in batch:
+                conn.execute("SAVEPOINT write")
+                try:
+                    result: object = fn(conn, *args)
+                except Exception as exc:
+                    conn.execute("ROLLBACK TO write")
+                    result = exc
+                conn.execute("RELEASE write")
+                outcomes.append((future, result))
+            conn.execute("COMMIT")
+        except Exception as exc:  # the transaction itself broke: none of the lot is in
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            return [(future, exc) for _, _, future in batch]
+        return outcomes
 
     # Writes -----------------------------------------------------------------------------------
 
@@ -455,6 +500,16 @@ def _make_private(path: Path) -> None:
         for side in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(side, 0o600)
+
+
+def _settle(outcomes: list[tuple[asyncio.Future, object]]) -> None:
+    for future, outcome in outcomes:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 def _log_failure(future: asyncio.Future) -> None:

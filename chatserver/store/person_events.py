@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
@@ -29,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from chatserver import tasks
+from chatserver import metrics, tasks
 from chatserver.conversations.document import summary_of
 from chatserver.store.files import Change, OwnerStore, StoreUnavailable, TurnLock
 
@@ -201,8 +202,16 @@ class AnnouncingStore:
         self._tell("conversation", summary_of(conv))
         return conv, written
 
+    async def get(self, conv_id: str) -> dict:
+        began = time.monotonic()
+        conv = await self.inner.get(conv_id)
+        metrics.active.store_seconds.labels("get").observe(time.monotonic() - began)
+        return conv
+
     async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
+        began = time.monotonic()
         conv = await self.inner.update(conv_id, change, lock=lock)
+        metrics.active.store_seconds.labels("update").observe(time.monotonic() - began)
         self._tell("conversation", summary_of(conv))
         return conv
 

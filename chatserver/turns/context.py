@@ -29,11 +29,14 @@ import functools
 import json
 import logging
 import math
+import operator
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import orjson
 import tiktoken
 
 from chatserver.config import PACKAGE, Settings
@@ -179,22 +182,132 @@ def normalize_usage(raw: dict | None, *, sent_floor: int, output_text: str = "")
 
 # --- The prompt --------------------------------------------------------------------------------
 
+@dataclass(slots=True)
+class Walked:
+    """A conversation's history already walked: the stored messages (the very dicts) and their wire form.
+
+    Stored messages are never edited in place, so identity tells whether the next turn's history
+    still starts with them; then only the messages after them are walked and counted.
+    """
+
+    source: list[dict]
+    wire: list[dict]
+    # `wire` encoded, one JSON fragment a message: the request body copies them instead of encoding
+    # a long history again every turn.
+    encoded: list[orjson.Fragment]
+    size: int  # bytes held: the fragments and about WIRE_MESSAGE_BYTES a message besides
+    counted: int = 0  # how many of `wire` `tokens` covers
+    tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self) -> int:
+        """Our count of `wire`; only what an earlier count did not cover is counted."""
+        with self.lock:  # counted once, even when two prompts of one walk count at once
+            if self.counted < len(self.wire):
+                self.tokens += sum(_message_tokens(m) for m in self.wire[self.counted:])
+                self.counted = len(self.wire)
+            return self.tokens
+
+
+# The walked history of the most recently used conversations, bounded by bytes, not by
+# conversations: the wire dicts share their strings with the stored messages (a small dict and a
+# few list slots a message), the encoded fragments are copies. Least recently used entries go
+# first, and at once when their conversation is deleted (`forget`).
+WALKED_BYTES = 64 * 1024 * 1024
+WIRE_MESSAGE_BYTES = 300
+_walked: OrderedDict[str, Walked] = OrderedDict()
+_walked_size = 0
+_walked_lock = threading.Lock()
+
+
+def forget(conv_id: str) -> None:
+    """Drop a conversation's walked history (it was deleted: its words do not outlive it here)."""
+    global _walked_size
+    with _walked_lock:
+        if (gone := _walked.pop(conv_id, None)) is not None:
+            _walked_size -= gone.size
+
+
+def walked_history(conv_id: str, messages: list[dict]) -> tuple[list[dict], Walked | None]:
+    """`wire_history(messages)` as a new list (the caller's to change) and the walk it starts with.
+
+    When `messages` still starts with the messages of the conversation's previous walk, only the
+    ones after them are walked. Every message but the last is kept for the next turn: the last
+    is the one still changing (the person's new message, a reply being written).
+    """
+    global _walked_size
+    with _walked_lock:
+        known = _walked.get(conv_id)
+        if known is not None:
+            _walked.move_to_end(conv_id)
+    keep = max(len(messages) - 1, 0)
+    if known is not None and (len(known.source) > keep or not all(map(operator.is_, known.source, messages))):
+        known = None
+    walked = known
+    done = len(known.source) if known is not None else 0
+    if keep > done:
+        fresh = wire_history(messages[done:keep])
+        raw = [orjson.dumps(m) for m in fresh]
+        encoded = [orjson.Fragment(b) for b in raw]
+        size = sum(map(len, raw)) + WIRE_MESSAGE_BYTES * len(fresh)
+        if known is None:
+            walked = Walked(messages[:keep], fresh, encoded, size)
+        else:
+            walked = Walked(messages[:keep], known.wire + fresh, known.encoded + encoded, known.size + size,
+                            known.counted, known.tokens)
+        with _walked_lock:
+            if (old := _walked.pop(conv_id, None)) is not None:
+                _walked_size -= old.size
+            if walked.size <= WALKED_BYTES:
+                _walked[conv_id] = walked
+                _walked_size += walked.size
+            while _walked_size > WALKED_BYTES:
+                _walked_size -= _walked.popitem(last=False)[1].size
+    return (walked.wire if walked is not None else []) + wire_history(messages[keep:]), walked
+
+
+def _message_tokens(m: dict) -> int:
+    content = m["content"] or ""
+    total = count_tokens(content) if isinstance(content, str) else sum(
+        count_tokens(p.get("text", "")) + p.get("tokens", 0) for p in content)  # an image part carries its estimate
+    return total + sum(count_tokens(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A laid-out request, neutral between the two endpoints."""
 
     system: list[dict]
     messages: list[dict]
+    # The walked history `messages` starts with (its count is reused, not counted again).
+    walked: Walked | None = None
+
+    def encodable(self) -> list:
+        """`messages` as a request body takes them: the walked history as its encoded fragments."""
+        walked = self.walked
+        if walked is None or not walked.wire or self.messages[len(walked.wire) - 1] is not walked.wire[-1]:
+            return self.messages  # nothing walked, or its last message was dressed (the cache marker)
+        return walked.encoded + self.messages[len(walked.wire):]
+
+    def uncounted(self) -> int:
+        """Characters of the messages the walk's count does not cover, which `tokens` may have to
+        tokenize afresh (the system layers change seldom: their counts come from the token cache)."""
+        counted = min(self.walked.counted, len(self.walked.wire)) if self.walked is not None else 0
+        fresh = 0
+        for m in self.messages[counted:]:
+            content = m["content"] or ""
+            fresh += len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
+            fresh += sum(len(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
+        return fresh
 
     def tokens(self) -> int:
         """Our own count of everything we send, piece by piece so unchanged pieces come from cache."""
         total = sum(count_tokens(p["text"]) for p in self.system)
-        for m in self.messages:
-            content = m["content"] or ""
-            total += count_tokens(content) if isinstance(content, str) else sum(
-                count_tokens(p.get("text", "")) + p.get("tokens", 0) for p in content)
-            total += sum(count_tokens(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
-        return total
+        start = 0
+        if self.walked is not None:  # the prompt's first messages are the walk's (the text the same)
+            start = len(self.walked.wire)
+            total += self.walked.count()
+        return total + sum(_message_tokens(m) for m in self.messages[start:])
 
 
 def cache_marker(settings: Settings) -> dict:
@@ -303,13 +416,19 @@ def build_prompt(conv: dict, memory: str, settings: Settings, *, today: dt.date,
         system.append({"type": "text", "text": attachments.strip()})
     if tool_instructions and tool_instructions.strip():
         system.append({"type": "text", "text": tool_instructions.strip()})
-    messages = wire_history(conv["messages"], extras=extras)
+    if extras:
+        # Images (or notes about them) make a message's wire form the turn model's: walked afresh.
+        messages, walked = wire_history(conv["messages"], extras=extras), None
+    elif "id" in conv:
+        messages, walked = walked_history(conv["id"], conv["messages"])
+    else:
+        messages, walked = wire_history(conv["messages"]), None
     if settings.cache_history_breakpoint and messages and messages[-1]["content"] and messages[-1]["role"] != "tool":
         last = messages[-1]
         parts = [{"type": "text", "text": last["content"]}] if isinstance(last["content"], str) else last["content"]
         # The marker closes the last part (the text, after any images): everything before it is cached.
         messages[-1] = {"role": last["role"], "content": [*parts[:-1], {**parts[-1], "cache_control": cache_marker(settings)}]}
-    return Prompt(system, messages)
+    return Prompt(system, messages, walked)
 
 
 # --- Budget ------------------------------------------------------------------------------------

@@ -22,17 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import anyio
 
+from chatserver import metrics
 from chatserver.api.sse import encode
 from chatserver.store.files import NotFound, StoreUnavailable
 from chatserver.store.person_events import PersonEvents, tell_turn
 from chatserver.turns.checkpoints import keep_checkpoints
 from chatserver.turns.compare import Comparison
-from chatserver.turns.events import TurnDone
+from chatserver.turns.events import LaneEvent, TurnDone, TurnEvent
 from chatserver.turns.pipeline import Turn, Turns
 from chatserver.turns.reply import done_event
 
@@ -132,17 +134,21 @@ class RunningTurn:
         compared = isinstance(turn, Comparison)
         checkpoints = asyncio.create_task(keep_checkpoints(turn, checkpoint_seconds)) \
             if checkpoint_seconds and not compared else None
+        watch = TurnWatch(turn.first.model, {t.assistant_id: t.model for t in turn.lanes}) if compared \
+            else TurnWatch(turn.model)
         try:
             with self._scope:
                 async with contextlib.aclosing(turn.run(turns) if compared else turns.run(turn)) as events:
                     async for event in events:
+                        watch.saw(event)
                         self._say(event)
             if not self.finished:
                 # Stopped: the pipeline saved the partial reply on its way out; every follower learns how it ended.
                 with anyio.CancelScope(shield=True):
                     for event in await turn.stopped_events() if compared else [await self._stopped_done()]:
-                        self._say(event)
+                        self._say(watch.saw(event))
         finally:
+            watch.ended()
             if checkpoints is not None:
                 checkpoints.cancel()
             try:
@@ -166,6 +172,35 @@ class RunningTurn:
             conv = await turn.store.get(turn.conv_id)
             stored = next((m for m in reversed(conv["messages"]) if m["id"] == turn.assistant_id), None)
         return done_event(turn.assistant_id, stored, "interrupted")
+
+
+class TurnWatch:
+    """What one turn tells /metrics: its first token, how it ended, what it used."""
+
+    def __init__(self, model: str, lanes: dict[str, str] | None = None) -> None:
+        self.model = model
+        self.lanes = lanes or {}  # a comparison's replies: assistant message id -> its model
+        self.began = time.monotonic()
+        self.first = False
+        self.outcome, self.kind = "interrupted", ""  # a turn cut off before its last event
+
+    def saw(self, event: TurnEvent) -> TurnEvent:
+        inner = event.event if isinstance(event, LaneEvent) else event
+        if inner.type == "delta" and not self.first:
+            self.first = True
+            metrics.active.first_token.observe(time.monotonic() - self.began)
+        elif isinstance(inner, TurnDone):
+            model = self.lanes.get(event.assistant_message_id, self.model) if isinstance(event, LaneEvent) \
+                else self.model
+            metrics.active.usage(model, inner.usage)
+        if event.type == "done":  # the turn's own end (a comparison's comes after its replies')
+            self.outcome = "complete" if event.status == "complete" else "interrupted"
+        elif event.type == "error":
+            self.outcome, self.kind = "failed", event.kind
+        return event
+
+    def ended(self) -> None:
+        metrics.active.turn_ended(self.outcome, self.kind, time.monotonic() - self.began)
 
 
 class Started(Protocol):

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
     from chatserver.turns.compare import Lane
 
 log = logging.getLogger("chat.turns")
+# A prompt with at most this much text not counted before is counted on the loop (well under 1 ms).
+INLINE_COUNT_CHARS = 4_000
 
 NEW_TITLE = "New conversation"
 # How long a turn that ended while the store was down keeps trying to release its lock.
@@ -649,7 +651,7 @@ class Turns:
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
                                               attachments=files, project=project,
                                               extras=await self._image_extras(turn, conv, found, vision))
-                turn.counting = asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
+                turn.counting = count_soon(prompt)
                 turn.vision = has_images(prompt.messages)
                 try:
                     turn.requested = True
@@ -926,6 +928,15 @@ def _question_of(conv: dict, answer_to: str | None) -> str:
     if question is None:
         raise NothingToAnswer(conv["id"])
     return question
+def count_soon(prompt: context.Prompt) -> asyncio.Future:
+    """Our count of the prompt: here when little text is new to it (the usual turn: its history's
+    count is kept with its walk), in a worker thread when much is, so that counting a long history
+    or a long message never holds up the loop."""
+    if prompt.uncounted() <= INLINE_COUNT_CHARS:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(prompt.tokens())
+        return done
+    return asyncio.ensure_future(anyio.to_thread.run_sync(prompt.tokens))
 
 
 def _set_answers_aside(conv: dict, *, question: str) -> None:

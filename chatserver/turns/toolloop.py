@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Literal
 
+from chatserver import metrics
 from chatserver.config import Settings
 from chatserver.tools import registry as tools
 from chatserver.turns.context import Prompt
@@ -132,6 +133,7 @@ class ToolLoop:
                 results[result.call_id] = result
                 yield ToolStep(result.event(), result.citations)
             ordered = [results[call.id] for call in calls]
+            self._count(ordered)
             yield ToolRound(self._round(text, calls, ordered))
             extra += self._wire_round(text, calls, self._kept_blocks(requested, calls), ordered)
 
@@ -155,7 +157,9 @@ class ToolLoop:
         if self.wire == "chat":
             params = {**self.settings.params_for(self.model),
                       **chat.sampling_fields(self.sampling, openrouter=self.settings.gateway_is_openrouter)}
-            body = chat.build_body(self.model, prompt.system, messages, max_tokens=max_tokens,
+            # The walked history goes as its encoded fragments, unless Continue reshaped the prompt's end.
+            sent = messages if self.plain_text or self.continuing else prompt.encodable() + extra
+            body = chat.build_body(self.model, prompt.system, sent, max_tokens=max_tokens,
                                    plain_text=self.plain_text, params=params,
                                    tools=self.registry.declarations(self.selection.local, "chat"), tool_choice=choice)
             source = self.gateway.stream(chat.PATH, body, chat.auth_headers(self.gateway.api_key), chat.ChatDecoder())
@@ -179,6 +183,13 @@ class ToolLoop:
         if self.wire == "messages" and not extra and not self.sampling.reasoning_effort:
             return [*messages[:-1], {**last, "content": _without_trailing_space(last["content"])}]
         return [*messages, {"role": "user", "content": CONTINUE_INSTRUCTION}, *extra]
+    def _count(self, results: list[tools.ToolResult]) -> None:
+        """/metrics: each call and each [tool error], by tool (a name the model made up counts as `unknown`)."""
+        for result in results:
+            tool = result.name if result.name in self.registry else "unknown"
+            metrics.active.tool_calls.labels(tool).inc()
+            if not result.ok:
+                metrics.active.tool_errors.labels(tool).inc()
 
     @staticmethod
     def _round(text: str, calls: tuple[tools.Call, ...], results: list[tools.ToolResult]) -> dict:

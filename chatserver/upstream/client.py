@@ -10,6 +10,7 @@ included. The decoders (`chat.ChatDecoder`, `messages.MessagesDecoder`) never se
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -17,6 +18,7 @@ import anyio
 import httpx
 import orjson
 
+from chatserver import metrics
 from chatserver.turns.events import CallOpened, Event
 from chatserver.upstream.failures import UpstreamError, classify_exception, classify_http, redact
 from chatserver.upstream.sse import SSEDecoder, SSERecord
@@ -102,7 +104,9 @@ class Gateway:
             # orjson: a long history makes a body of megabytes, which the stdlib encoder takes ~10x longer on.
             request = self.client.build_request("POST", self.url(path), content=orjson.dumps(body),
                                                 headers={"content-type": "application/json", **headers})
+            began = time.monotonic()
             response = await self.client.send(request, stream=True)
+            metrics.active.gateway_seconds.observe(time.monotonic() - began)
         except httpx.HTTPError as exc:
             raise classify_exception(exc) from exc
         if response.status_code != 200:
