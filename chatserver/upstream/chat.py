@@ -46,7 +46,7 @@ def shaped(content: object) -> object:
             if p.get("type") == "image" else p for p in content]
 
 
-def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
+def build_body(model: str, system_parts: list[dict], messages: list, *,
                max_tokens: int, params: dict, stream: bool = True, plain_text: bool = False,
                tools: list[dict] | None = None, tool_choice: str | None = None) -> dict:
     """The request; `plain_text` for servers that take only a string as a message's content
@@ -55,8 +55,9 @@ def build_body(model: str, system_parts: list[dict], messages: list[dict], *,
     if plain_text:
         messages = [{**m, "content": plain(m["content"])} for m in messages]
     else:
-        messages = [{**m, "content": shaped(m["content"])} if isinstance(m.get("content"), list) else m
-                    for m in messages]
+        # A walked history's messages come as encoded fragments (context.Prompt.encodable): sent as they are.
+        messages = [{**m, "content": shaped(m["content"])}
+                    if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
     body: dict = {
         "model": model,
         "messages": system + messages,
