@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from chatserver.turns import context
+from chatserver.turns import context, pipeline
 from gateway_sim.simulator import Script, Usage, errors, steps
 from support import names, parse_sse
 
@@ -463,7 +463,9 @@ async def test_counting_the_prompt_does_not_hold_up_other_requests(client, api, 
 
     monkeypatch.setattr(context.Prompt, "tokens", slow_first_count)
     sim.enqueue(Script(steps=[steps.Text("Counted.")]))
-    turn = asyncio.create_task(api.send(conv["id"], "count me"))
+    # Over what is counted on the loop (a few thousand characters, well under a millisecond).
+    long_text = "count me " * (pipeline.INLINE_COUNT_CHARS // 9 + 1)
+    turn = asyncio.create_task(api.send(conv["id"], long_text))
     await asyncio.to_thread(started.wait, 5)
 
     health = await client.get("/healthz")

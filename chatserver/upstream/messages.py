@@ -119,7 +119,11 @@ def build_body(model: str, system: list[dict], messages: list[dict], tools: list
     """
     messages = as_blocks(messages)
     if received:
-        messages = [*messages, {"role": "assistant", "content": list(received)}]
+        blocks = list(received)
+        if blocks[-1].get("type") == "text":
+            # Resent as the final assistant message, which Anthropic refuses to see end in whitespace.
+            blocks[-1] = {**blocks[-1], "text": blocks[-1]["text"].rstrip()}
+        messages = [*messages, {"role": "assistant", "content": blocks}]
     fields, max_tokens = sampling_fields(sampling, max_tokens)
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "system": system,
             "messages": messages, "tools": tools, **fields}
