@@ -192,7 +192,10 @@ async function readComparison({ convId, turn, row, lanes, byId, userEl }, res) {
       if (!lane) continue;
       if (event === "done") lane.finish(data.status || "complete", data.usage, data.citations);
       else if (event === "error") lane.fail(data);
-      else if (event === "delta") lane.view.addText(data.text);
+      else if (event === "delta") {
+        lane.view.addText(data.text);
+        drawSoon(lane.view);
+      }
       else if (event === "warning") lane.view.addWarning(data.message, data.code);
       else if (["reasoning", "search", "fetch", "tool"].includes(event)) lane.view.addActivity(event, data);
     }
@@ -203,6 +206,19 @@ async function readComparison({ convId, turn, row, lanes, byId, userEl }, res) {
     console.error(err);
     return "lost";
   }
+}
+
+// A lane's words are drawn once an animation frame, as turn.js draws a single reply's; a hidden
+// tab gets no frames, so a timer draws them too.
+function drawSoon(view) {
+  if (view.drawScheduled) return;
+  view.drawScheduled = true;
+  const draw = () => {
+    view.drawScheduled = false;
+    view.drawText();
+  };
+  requestAnimationFrame(draw);
+  setTimeout(draw, 250);
 }
 
 /** The comparison is over (or this page let go of it): the lanes show how, and one can be chosen. */
