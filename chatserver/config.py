@@ -310,7 +310,8 @@ class Settings(BaseSettings):
         return host == "openrouter.ai" or host.endswith(".openrouter.ai")
 
     def lineup(self) -> list[ModelInfo]:
-        """The built-in models from MODELS, in order."""
+        """The built-in models from MODELS, in order, then DEFAULT_MODEL, SUMMARIZER_MODEL and
+        VISION_MODEL where MODELS leaves them out."""
         reasoning = {m.strip() for m in self.reasoning_models.split(",") if m.strip()}
         out: list[ModelInfo] = []
         for entry in self.models.split(","):
@@ -322,12 +323,22 @@ class Settings(BaseSettings):
                 tier, model_id = "balanced", entry
             out.append(ModelInfo(model_id, tier, model_id in reasoning, tool_runtime=self.runtime_for(model_id),
                                  vision=model_id in self.vision_ids))
+        # The models the server itself calls are always in it, whether or not MODELS names them; the
+        # vision model reads images by definition.
+        needed = [(self.default_model, "balanced"), (self.summarizer_model, "fast")]
+        if self.vision_model:
+            needed.append((self.vision_model, "balanced"))
+        for needed_id, tier in needed:
+            if all(m.id != needed_id for m in out):
+                out.append(ModelInfo(needed_id, tier, needed_id in reasoning, tool_runtime=self.runtime_for(needed_id),
+                                     vision=needed_id in self.vision_ids))
         return out
 
     @property
     def vision_ids(self) -> frozenset[str]:
-        """The models VISION_MODELS names."""
-        return frozenset(m.strip() for m in self.vision_models.split(",") if m.strip())
+        """The models VISION_MODELS names, and VISION_MODEL (it is asked about images)."""
+        named = {m.strip() for m in self.vision_models.split(",") if m.strip()}
+        return frozenset(named | {self.vision_model} if self.vision_model else named)
 
     def runtime_for(self, model_id: str) -> str:
         """Where a model's tools run when nothing more specific (a custom model's own choice) says."""

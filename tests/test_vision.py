@@ -36,6 +36,16 @@ async def test_vision_comes_from_the_gateways_model_list_and_vision_models(tmp_p
     assert lineup["deepseek/deepseek-r1"]["vision"] is False
 
 
+def test_the_lineup_always_holds_the_models_the_server_calls_itself():
+    settings = Settings(_env_file=None, models="fast:openai/gpt-5-nano", default_model="openai/gpt-5-mini",
+                        summarizer_model="mistral/small", vision_model="qwen/qwen2.5-vl")
+    lineup = {m.id: m for m in settings.lineup()}
+    assert list(lineup) == ["openai/gpt-5-nano", "openai/gpt-5-mini", "mistral/small", "qwen/qwen2.5-vl"]
+    assert lineup["qwen/qwen2.5-vl"].vision and not lineup["openai/gpt-5-mini"].vision
+    assert [m.id for m in Settings(_env_file=None, models="fast:openai/gpt-5-nano,openai/gpt-5-mini").lineup()] \
+        == ["openai/gpt-5-nano", "openai/gpt-5-mini"]  # nothing twice, and no VISION_MODEL unless set
+
+
 async def test_a_custom_models_vision_is_set_when_added_and_changed_in_settings(client):
     added = await client.post("/api/models", json={"id": "qwen/qwen2.5-vl", "tier": "fast", "vision": True})
     assert added.status_code == 201 and added.json()["vision"] is True
