@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import os
 import sys
@@ -66,6 +67,21 @@ def chart() -> list:
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()
     return [TextContent(type="text", text="Sales rose 12% in March."),
             ImageContent(type="image", data=png, mime_type="image/png")]
+
+
+@server.tool()
+def photo(count: int = 1) -> list:
+    """Take photos: a caption and `count` PNGs (64 × 48, yellow) that carry a camera's EXIF."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x010F] = "Canon"  # Make
+    exif[0x0110] = "EOS 5D Mark IV"  # Model
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), "yellow").save(out, format="PNG", exif=exif)
+    png = base64.b64encode(out.getvalue()).decode()
+    return [TextContent(type="text", text="A yellow box."),
+            *(ImageContent(type="image", data=png, mime_type="image/png") for _ in range(count))]
 
 
 @server.tool()

@@ -1,12 +1,14 @@
 """MCP servers' tools through the real app: real MCP servers (the `mcp` SDK, tests/mcp_server.py) on a
 loopback port over Streamable HTTP and over stdio, their tools in `/api/tools` as `server__tool`,
 called by a scripted model on both wire formats, a server killed and restarted under a
-conversation, a slow and a huge answer cut, presets that do not name a server offering none of
-its tools, and header secrets that never reach an answer."""
+conversation, a slow and a huge answer cut, an image a tool returns kept as the reply's
+attachment, presets that do not name a server offering none of its tools, and header secrets
+that never reach an answer."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
 import time
@@ -16,6 +18,7 @@ import pytest
 
 from chatserver.config import Settings
 from chatserver.tools import registry as tools
+from chatserver.tools.mcp import IMAGES_MAX
 from gateway_sim.simulator import Script, steps
 from mcp_support import SECRET, SERVER, McpServer
 from support import free_port, names, parse_sse, serve
@@ -255,14 +258,58 @@ async def test_an_answer_past_mcp_max_bytes_is_refused_and_the_server_reconnects
         assert tool_results(sim.requests[-1].body)[-1] == "3"
 
 
-async def test_image_results_keep_their_text_and_note_the_image(api, client, sim):
+async def test_an_image_a_tool_returns_is_kept_as_the_replys_attachment_and_named_to_the_model(api, client, sim):
+    from PIL import Image
+
+    await both_connected(client)
+    await mcp_preset(client, ["demo__photo", "local__photo"])
+    conv = await api.new(preset="with-mcp")
+    sim.enqueue(Script([steps.ToolCall("demo__photo", {}, id="c1")]), Script([steps.Text("A yellow box.")]))
+    events = await turn(client, conv["id"], "Take a photo")
+
+    assert names(events)[-1] == "done"
+    (attached,) = [data["attachment"] for name, data in events if name == "image"]
+    assert (attached["kind"], attached["width"], attached["height"]) == ("image", 64, 48)
+    assert attached["name"] == "demo__photo-image-1.png"
+    reply = (await api.get(conv["id"]))["messages"][-1]
+    assert reply["attachment_ids"] == [attached["id"]] and reply["content"] == "A yellow box."
+    download = await client.get(f"/api/conversations/{conv['id']}/attachments/{attached['id']}")
+    assert download.status_code == 200 and download.headers["content-type"] == "image/png"
+    image = Image.open(io.BytesIO(download.content))
+    assert dict(image.getexif()) == {} and "exif" not in image.info and b"Canon" not in download.content
+    # The model reads the caption and the stored image's name, never its bytes.
+    result = tool_results(sim.requests[-1].body)[-1]
+    assert result == (f"A yellow box.\n[image demo__photo-image-1.png kept as attachment {attached['id']} "
+                      f"(image/png, 64 × 48, {attached['bytes']:,} bytes): the person sees it under your reply]")
+
+    # Over stdio too, and a call returning more than IMAGES_MAX keeps that many and names the rest.
+    sim.enqueue(Script([steps.ToolCall("local__photo", {"count": IMAGES_MAX + 2}, id="c2")]),
+                Script([steps.Text("Lots.")]))
+    events = await turn(client, conv["id"], "Take many")
+    kept = [data["attachment"]["id"] for name, data in events if name == "image"]
+    assert len(kept) == IMAGES_MAX
+    assert (await api.get(conv["id"]))["messages"][-1]["attachment_ids"] == kept
+    result = tool_results(sim.requests[-1].body)[-1]
+    assert all(aid in result for aid in kept) and "base64" not in result and len(result) < 2_000
+    assert result.count(f"not kept: at most {IMAGES_MAX} images are kept per call]") == 2
+
+
+async def test_a_damaged_image_from_a_tool_is_a_note_and_a_warning_and_the_turn_goes_on(api, client, sim):
     await both_connected(client)
     await mcp_preset(client, ["demo__chart"])
     conv = await api.new(preset="with-mcp")
     sim.enqueue(Script([steps.ToolCall("demo__chart", {}, id="c1")]), Script([steps.Text("Up 12%.")]))
-    await turn(client, conv["id"], "Chart?")
+    events = await turn(client, conv["id"], "Chart?")
+
+    assert names(events)[-1] == "done" and "image" not in names(events)
+    (warning,) = [data for name, data in events if name == "warning"]
+    assert warning["code"] == "image_not_kept" and warning["message"].startswith(
+        "The tool demo__chart returned an image that could not be kept: ")
     result = tool_results(sim.requests[-1].body)[-1]
-    assert result.startswith("Sales rose 12% in March.\n[an image (image/png, about ")
+    assert result == f"Sales rose 12% in March.\n[{warning['message']}]"
+    reply = (await api.get(conv["id"]))["messages"][-1]
+    assert reply["content"] == "Up 12%." and not reply.get("attachment_ids")
+    assert (await client.get(f"/api/conversations/{conv['id']}/attachments")).json() == []
 
 
 async def test_bad_arguments_are_checked_against_the_servers_schema(api, client, sim):

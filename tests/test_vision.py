@@ -13,7 +13,7 @@ import pytest
 from chatserver.app import create_app
 from chatserver.config import Settings
 from gateway_sim.simulator import GatewaySimulator, Script, Usage, images_in, steps
-from support import PixelServer, parse_sse, png
+from support import PixelServer, names, parse_sse, png
 
 
 def models_of(lineup: dict) -> dict[str, dict]:
@@ -339,6 +339,22 @@ async def test_an_image_the_model_returns_is_kept_as_the_replys_attachment(clien
     assert [a["id"] for a in listed] == [attached["id"]]
     thumbnail = await client.get(f"/api/conversations/{conv_id}/attachments/{attached['id']}/thumbnail")
     assert thumbnail.status_code == 200
+
+
+async def test_an_output_image_that_is_not_an_image_is_a_warning_never_a_stored_document(client, sim):
+    """The upload's readers would store a PDF labelled image/png as a document, announced as an image."""
+    from test_attachments import make_pdf
+
+    conv_id = await conversation(client, VISION_MODEL)
+    sim.enqueue(Script([steps.Text("Here:"), steps.ImageOut(make_pdf(["A readable page of words."])),
+                        steps.ImageOut(b"just some words, not pixels\n" * 10)]))
+    events = await say(client, conv_id, "Draw")
+
+    assert names(events)[-1] == "done" and "image" not in names(events)
+    warnings = [data for name, data in events if name == "warning"]
+    assert [w["code"] for w in warnings] == ["image_not_kept", "image_not_kept"]
+    assert all("not a PNG, JPEG, GIF or WebP" in w["message"] for w in warnings)
+    assert (await client.get(f"/api/conversations/{conv_id}/attachments")).json() == []
 
 
 async def test_the_demo_gateway_answers_about_an_attached_image(tmp_path):

@@ -13,12 +13,15 @@ so instead of an unknown tool.
 Calls go through `Registry.run` like any tool: MCP_TIMEOUT bounds each one, the answer is cut to
 the registry's length cap (and an HTTP answer is not read past MCP_MAX_BYTES), and every
 failure of the server (down, slow, an error, garbage) becomes a `[tool error]` the model reads.
+Image blocks leave here decoded, on the `ToolOutput`: the turn stores them (this module never
+touches storage) and names them in the text the model reads.
 Header values are secrets: kept out of every answer and redacted from messages and logs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -50,6 +53,7 @@ from chatserver.tools.registry import (
     ToolError,
     ToolOutput,
 )
+from chatserver.turns.events import ImageProduced
 from chatserver.upstream.failures import keep_secret, redact
 
 log = logging.getLogger("chat.mcp")
@@ -69,6 +73,11 @@ PING_SECONDS = 15.0
 # How often each process re-reads the page's list (another process may have changed it).
 RECHECK_SECONDS = 10.0
 ERROR_MAX_CHARS = 300
+# Images one call may add to the reply, and the size of each as returned (the upload's checks
+# and the person's quota still apply when they are stored).
+IMAGES_MAX = 4
+IMAGE_MAX_BYTES = 10 * 1024 * 1024
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 Transport = Literal["http", "sse", "stdio"]
 
 
@@ -474,14 +483,17 @@ async def _called_through_call() -> str:
 def _output(result: types.CallToolResult) -> ToolOutput:
     """The text the model reads: text blocks as they are, other blocks named, cut to the registry's cap."""
     parts: list[str] = []
+    images: list[ImageProduced] = []
     size, total = 0, 0
     room = TOOL_RESULT_MAX_CHARS - 200
     for block in result.content:
         if isinstance(block, types.TextContent):
             text = block.text
         elif isinstance(block, types.ImageContent):
-            # Images as reply attachments are another part's work: the model hears one was there.
-            text = f"[an image ({block.mime_type}, about {len(block.data) * 3 // 4:,} bytes) was returned; not shown]"
+            image, text = _image(block, len(images))
+            if image is not None:
+                images.append(image)  # the turn stores it and names it in the text
+                continue
         elif isinstance(block, types.AudioContent):
             text = f"[audio ({block.mime_type}) was returned; not shown]"
         elif isinstance(block, types.EmbeddedResource):
@@ -506,7 +518,25 @@ def _output(result: types.CallToolResult) -> ToolOutput:
         body += f"\n[cut: {total - len(body):,} more characters not shown]"
     if result.is_error:
         raise ToolError(f"the tool reported an error: {_short(body, 2_000)}")
-    return ToolOutput(body, _short(body.split("\n", 1)[0] if body else "no output", 100))
+    summary = body.split("\n", 1)[0] if body else f"{len(images)} image{'s' * (len(images) != 1)}" if images \
+        else "no output"
+    return ToolOutput(body, _short(summary, 100), images=tuple(images))
+
+
+def _image(block: types.ImageContent, held: int) -> tuple[ImageProduced | None, str]:
+    """An image block decoded for the turn to store, or None and the note the model reads instead."""
+    about = f"{block.mime_type}, about {len(block.data) * 3 // 4:,} bytes"
+    if held >= IMAGES_MAX:
+        return None, f"[an image ({about}) was returned; not kept: at most {IMAGES_MAX} images are kept per call]"
+    if block.mime_type not in IMAGE_TYPES:
+        return None, f"[an image ({about}) was returned; not kept: only PNG, JPEG, GIF and WebP images are kept]"
+    if len(block.data) * 3 // 4 > IMAGE_MAX_BYTES:
+        return None, f"[an image ({about}) was returned; not kept: it is over {IMAGE_MAX_BYTES:,} bytes]"
+    try:
+        data = base64.b64decode(block.data, validate=True)
+    except ValueError:
+        return None, f"[an image ({block.mime_type}) was returned; not kept: its data is not base64]"
+    return ImageProduced(block.mime_type, data), ""
 
 
 def _schema_problem(schema: dict | None) -> str | None:

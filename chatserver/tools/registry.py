@@ -38,7 +38,7 @@ from chatserver.attachments.extraction import Extractor
 from chatserver.config import Settings
 from chatserver.tools import webfetch
 from chatserver.turns import context as prompt_context
-from chatserver.turns.events import Call
+from chatserver.turns.events import Call, ImageProduced
 
 log = logging.getLogger("chat.tools")
 
@@ -71,6 +71,9 @@ class ToolOutput:
     # What a model the tool asked cost (context.normalize_usage's record, plus "model"): shown in
     # the trail and counted in the turn's usage.
     usage: dict | None = None
+    # Images the tool returned (an MCP image block, decoded): the turn stores them as the reply's
+    # attachments and adds a note naming each to `text`; the model never gets their bytes.
+    images: tuple[ImageProduced, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class ToolResult:
     citations: tuple[dict, ...] = ()
     error: str | None = None
     usage: dict | None = None
+    images: tuple[ImageProduced, ...] = ()
 
     def event(self) -> dict:
         """The data of the finished `tool` turn event (API.md)."""
@@ -322,7 +326,8 @@ class Registry:
                                 "server, not in your arguments", started, expected=False)
         text = _capped(output.text)
         return ToolResult(call_id, name, arguments, text, True, _short(output.summary or output.text),
-                          _elapsed_ms(started), tuple(output.citations), usage=output.usage)
+                          _elapsed_ms(started), tuple(output.citations), usage=output.usage,
+                          images=tuple(output.images))
 
     async def run_batch(self, calls: Sequence[Call], enabled: Iterable[str], *,
                         on_result: Callable[[ToolResult], None] | None = None,

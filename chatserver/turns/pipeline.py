@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import anyio
 from fastapi import HTTPException
 
+from chatserver.attachments.readers import image as image_reader
 from chatserver.attachments.store import (
     AttachmentError,
     Attachments,
@@ -727,16 +728,23 @@ class Turns:
                     turn.model)
         return True
 
-    async def _keep_image(self, turn: Turn, produced: ImageProduced) -> ImageAttached | TurnWarning:
-        """An image the model returned, stored as an attachment of the conversation (cleaned and
-        checked like an upload, counted in the person's quota): the reply's own image."""
+    async def _keep_image(self, turn: Turn, produced: ImageProduced, tool: str | None = None
+                          ) -> ImageAttached | TurnWarning:
+        """An image the model (or `tool`) returned, stored as an attachment of the conversation
+        (cleaned and checked like an upload, counted in the person's quota): the reply's own image."""
+        who = "The model" if tool is None else f"The tool {tool}"
         if self.attachments is None:
-            return TurnWarning("image_not_kept", "The model returned an image, but this server keeps no files.")
+            return TurnWarning("image_not_kept", f"{who} returned an image, but this server keeps no files.")
+        if not image_reader.is_image(produced.data[:16]):
+            # An upload may be any file type; this must be an image, whatever else it would read as.
+            return TurnWarning("image_not_kept", f"{who} returned an image that could not be kept: "
+                               "it is not a PNG, JPEG, GIF or WebP image")
         from chatserver.api.quota import check_files  # the quota's one rule, as uploads apply it
 
         attachments = self.attachments
         kept = len(turn.reply.attachment_ids) + 1
-        name = f"image-{kept}.{produced.media_type.removeprefix('image/').replace('jpeg', 'jpg')}"
+        stem = "image" if tool is None else f"{tool}-image"
+        name = f"{stem}-{kept}.{produced.media_type.removeprefix('image/').replace('jpeg', 'jpg')}"
         fd, path = attachments.incoming_file()
         await anyio.to_thread.run_sync(write_closing, fd, produced.data)
 
@@ -746,9 +754,9 @@ class Turns:
         try:
             stored = await attachments.ingest(conversation_scope(turn.conv_id), name, path, turn.store.owner, fits)
         except AttachmentError as exc:
-            return TurnWarning("image_not_kept", f"The model returned an image that could not be kept: {exc}")
+            return TurnWarning("image_not_kept", f"{who} returned an image that could not be kept: {exc}")
         except HTTPException as exc:
-            return TurnWarning("image_not_kept", f"The model returned an image that could not be kept: {exc.detail}")
+            return TurnWarning("image_not_kept", f"{who} returned an image that could not be kept: {exc.detail}")
         return ImageAttached(stored)
 
     @staticmethod
@@ -804,7 +812,8 @@ class Turns:
                         scope=lambda: self._attachment_scope(turn, conv),
                         plain_text=turn.model in self.plain_text_models,
                         without_web=lambda p: self._without_web_sentence(conv, p),
-                        sampling=turn.sampling, continuing=turn.continues is not None)
+                        sampling=turn.sampling, continuing=turn.continues is not None,
+                        keep_image=lambda image, tool: self._keep_image(turn, image, tool))
         async with contextlib.aclosing(loop.run(prompt)) as events:
             async for event in events:
                 yield event

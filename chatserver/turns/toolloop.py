@@ -11,7 +11,9 @@ calls of one response run in parallel through `tools.Registry.run_streaming`, ea
 finished (all its results in) becomes a `ToolRound`, wire-neutral, which the reply keeps as its
 hidden history; a round cut short (Stop) is never kept, so no call is ever stored without its
 results. Who the calls act for (`tools.ToolContext`) and whose files they see (the attachment
-scope) are set only while a round's calls start, never across a `yield`.
+scope) are set only while a round's calls start, never across a `yield`. Images a tool returned
+are handed to `keep_image` (the pipeline stores them as the reply's attachments) as the call
+ends; its `ImageAttached` or `TurnWarning` goes out, and the result's text names each one.
 
 It does not know conversations, storage or the prompt's layout: it is given the laid-out prompt,
 the selected tools and the context, and it gives events.
@@ -20,8 +22,9 @@ the selected tools and the context, and it gives events.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager
 from typing import Literal
 
@@ -29,13 +32,24 @@ from chatserver import metrics
 from chatserver.config import Settings
 from chatserver.tools import registry as tools
 from chatserver.turns.context import Prompt
-from chatserver.turns.events import Event, TextDelta, ToolCallsRequested, ToolRound, ToolStep, TurnWarning
+from chatserver.turns.events import (
+    Event,
+    ImageAttached,
+    ImageProduced,
+    TextDelta,
+    ToolCallsRequested,
+    ToolRound,
+    ToolStep,
+    TurnWarning,
+)
 from chatserver.turns.sampling import Sampling
 from chatserver.upstream import chat
 from chatserver.upstream import messages as web
 from chatserver.upstream.client import Gateway
 
 Wire = Literal["chat", "messages"]
+# Stores one image a tool returned (the tool's name says whose): the reply's attachment, or why not.
+KeepImage = Callable[[ImageProduced, str], Awaitable[ImageAttached | TurnWarning]]
 
 CONTINUE_INSTRUCTION = ("Your previous reply was cut off. Continue it exactly where it stopped, without repeating "
                         "any of it and without remarking on the interruption.")
@@ -63,6 +77,18 @@ def _arguments_json(arguments: str | dict) -> str:
         return "{}"
 
 
+def _image_note(kept: ImageAttached | TurnWarning | None) -> str:
+    """What the model reads in place of an image's bytes: the stored attachment, or why it is not kept."""
+    if isinstance(kept, ImageAttached):
+        meta = kept.attachment
+        return (f"[image {meta['name']} kept as attachment {meta['id']} ({meta['media_type']}, "
+                f"{meta.get('width')} × {meta.get('height')}, {meta['bytes']:,} bytes): the person sees it under "
+                "your reply]")
+    if isinstance(kept, TurnWarning):
+        return f"[{kept.message}]"
+    return "[an image was returned; not shown]"
+
+
 class ToolLoop:
     """One turn's loop against one gateway."""
 
@@ -71,7 +97,8 @@ class ToolLoop:
                  scope: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  registry: tools.Registry = tools.registry, plain_text: bool = False,
                  without_web: Callable[[Prompt], Prompt] = lambda prompt: prompt,
-                 sampling: Sampling = Sampling(), continuing: bool = False) -> None:
+                 sampling: Sampling = Sampling(), continuing: bool = False,
+                 keep_image: KeepImage | None = None) -> None:
         self.gateway = gateway
         self.plain_text = plain_text  # a server that takes plain-text content only (turns.py learns which)
         self.settings = settings
@@ -88,6 +115,7 @@ class ToolLoop:
         self.sampling = sampling
         # The prompt ends with a reply to go on from (Continue), not with a message to answer.
         self.continuing = continuing
+        self.keep_image = keep_image
 
     async def run(self, prompt: Prompt) -> AsyncIterator[Event]:
         limit = self.settings.tool_rounds_max
@@ -130,12 +158,24 @@ class ToolLoop:
             for result in refused:
                 yield ToolStep(result.event())
             async for result in self._run_calls(runnable):
+                if result.images:
+                    notes = []
+                    for image in result.images:
+                        kept = await self._keep(image, result.name)
+                        notes.append(_image_note(kept))
+                        if kept is not None:
+                            yield kept
+                    result = dataclasses.replace(result, text="\n".join(filter(None, [result.text, *notes])),
+                                                 images=())
                 results[result.call_id] = result
                 yield ToolStep(result.event(), result.citations)
             ordered = [results[call.id] for call in calls]
             self._count(ordered)
             yield ToolRound(self._round(text, calls, ordered))
             extra += self._wire_round(text, calls, self._kept_blocks(requested, calls), ordered)
+
+    async def _keep(self, image: ImageProduced, tool: str) -> ImageAttached | TurnWarning | None:
+        return None if self.keep_image is None else await self.keep_image(image, tool)
 
     async def _run_calls(self, calls: tuple[tools.Call, ...]) -> AsyncIterator[tools.ToolResult]:
         """Each call's result as it finishes; the contexts are set only while the calls start."""
