@@ -112,21 +112,7 @@ class RedisTurnHub:
         if self.local.running(conv_id) is not None:
             await self.local.stop(conv_id)
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + STOP_WAIT
-        while True:
-            locked, tail = await self.store.turn_state(conv_id)
-            if not locked:
-                return  # nothing runs, or the stopped turn has saved and let go
-            # Asked again on every wake: a process whose listener was not live yet hears a later one.
-            await self.store.publish_stop(conv_id)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                log.warning("the turn on %s did not let go within %s s of Stop", conv_id, STOP_WAIT)
-                return
-            # Any new event wakes this; the turn's last one comes after it let the conversation go.
-            await self.store.wait_turn_event(conv_id, tail.seq if tail is not None else 0,
-                                             block_ms=max(1, min(int(remaining * 1000), STOP_POLL_MS)))
+        await self._ask_to_stop(conv_id, None)
 
     async def stop_reply(self, conv_id: str, assistant_id: str) -> None:
         """Stop one reply of a comparison wherever it runs (a lone turn's reply stops it whole);
@@ -135,24 +121,31 @@ class RedisTurnHub:
         if self.local.running(conv_id) is not None:
             await self.local.stop_reply(conv_id, assistant_id)
             return
+        await self._ask_to_stop(conv_id, assistant_id)
+
+    async def _ask_to_stop(self, conv_id: str, assistant_id: str | None) -> None:
+        """Publish the Stop (of one reply, given its id) until it is done where the turn runs, at most STOP_WAIT."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STOP_WAIT
         while True:
             locked, tail = await self.store.turn_state(conv_id)
             if not locked:
-                return
-            # A compared reply is stored once it ends (stopped, or finished before the Stop came); a lone
-            # turn's reply is stored `streaming` (a checkpoint) until then.
-            stored = await self.store.stored_reply(conv_id, assistant_id)
-            if stored is not None and stored.get("status") != "streaming":
-                return
-            # Asked again on every wake, as `stop` does: a listener that was not live yet hears a later one.
+                return  # nothing runs, or the stopped turn has saved and let go
+            if assistant_id is not None:
+                # A compared reply is stored once it ends (stopped, or finished before the Stop came);
+                # a lone turn's reply is stored `streaming` (a checkpoint) until then.
+                stored = await self.store.stored_reply(conv_id, assistant_id)
+                if stored is not None and stored.get("status") != "streaming":
+                    return
+            # Asked again on every wake: a process whose listener was not live yet hears a later one.
             await self.store.publish_stop(conv_id, assistant_id)
             remaining = deadline - loop.time()
             if remaining <= 0:
-                log.warning("reply %s on %s was not stored within %s s of its Stop", assistant_id, conv_id, STOP_WAIT)
+                log.warning("%s on %s did not stop within %s s of Stop",
+                            "the turn" if assistant_id is None else f"reply {assistant_id} of the turn", conv_id, STOP_WAIT)
                 return
-            # The reply's own `done` is an event, written once it is stored.
+            # Any new event wakes this: a reply's `done` comes once it is saved, the turn's last one
+            # once it let the conversation go.
             await self.store.wait_turn_event(conv_id, tail.seq if tail is not None else 0,
                                              block_ms=max(1, min(int(remaining * 1000), STOP_POLL_MS)))
 
