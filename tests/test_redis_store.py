@@ -280,6 +280,20 @@ async def test_stop_published_on_one_process_reaches_the_turn_on_another(two):
     assert a._stops.waiting == {}
 
 
+async def test_a_reply_stop_reaches_only_that_reply_and_a_whole_stop_no_reply(two):
+    a, b = two
+    conv = await a.for_owner("alice").create(conversation())
+    async with a.subscribe_stop(conv["id"]) as whole, a.subscribe_stop(conv["id"], "reply-one") as one, \
+            a.subscribe_stop(conv["id"], "reply-two") as two_:
+        assert await b.publish_stop(conv["id"], "reply-one") >= 1
+        await asyncio.wait_for(one.wait(), 5)
+        assert await b.publish_stop(conv["id"]) >= 1
+        await asyncio.wait_for(whole.wait(), 5)
+        # Each listener's messages arrive in order: by now a stray set of reply-two would have shown.
+        assert not two_.is_set()
+    assert a._stops.waiting == {}
+
+
 async def test_stop_subscription_comes_back_after_a_redis_restart(tmp_path):
     server = RedisServer(tmp_path / "redis")
     server.start()

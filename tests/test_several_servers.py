@@ -17,8 +17,18 @@ import pytest
 from gateway_sim.simulator import Script, steps
 from redis_support import RedisServer
 from support import LiveServer, hang_up_after_first_delta, parse_sse
+from test_answers import MODELS as COMPARED
 from test_auth import A_PASSWORD, B_PASSWORD
-from test_reattach import WHOLE, Reader, assert_running, has_delta, slow_reply, start_conversation, text_of
+from test_reattach import (
+    WHOLE,
+    Reader,
+    assert_running,
+    has_delta,
+    settled,
+    slow_reply,
+    start_conversation,
+    text_of,
+)
 from test_shared_accounts import add_users
 
 _databases = itertools.count(1)
@@ -308,6 +318,61 @@ def test_stop_on_one_server_stops_the_turn_where_it_runs(tmp_path, sim, redis_se
     finally:
         a.stop()
         b.stop()
+
+
+def test_one_reply_of_a_comparison_on_one_server_is_stopped_through_the_other(tmp_path, sim, redis_server):
+    """Stop on one reply reached only the process running the comparison: elsewhere it was 409."""
+    a, b = two_servers(tmp_path, sim, redis_server)
+    release = threading.Event()
+    try:
+        for i, model in enumerate(COMPARED):
+            sim.enqueue_for(model, Script(steps=[steps.Text(f"reply {i} begins. "), steps.Hold(release),
+                                                 steps.Text(f"reply {i} ends.")]))
+        conv_id = start_conversation(a.base_url)
+        on_a, on_b = f"{a.base_url}/api/conversations/{conv_id}", f"{b.base_url}/api/conversations/{conv_id}"
+        post = Reader("POST", f"{on_a}/compare", json={"content": "which is best?", "models": COMPARED})
+        post.wait_for(lambda events: events and events[0][1] == "start")
+        ids = [r["assistant_message_id"] for r in post.events[0][2]["compare"]]
+        post.wait_for(lambda events: {d["assistant_message_id"] for _, name, d in events if name == "delta"} == set(ids))
+        requests = {r.body["model"]: r for r in sim.requests if r.body.get("stream")}
+
+        stopped = httpx.post(f"{on_b}/stop", json={"assistant_message_id": ids[1]}, timeout=20)
+        assert stopped.status_code == 204, stopped.text
+        sim.wait_for_disconnect(list(sim.requests).index(requests[COMPARED[1]]), timeout=10)
+        assert requests[COMPARED[0]].disconnected_at is None and requests[COMPARED[2]].disconnected_at is None
+        assert not post.finished.is_set(), "the other two replies are still streaming"
+        post.wait_for(lambda events: any(name == "done" and d["assistant_message_id"] == ids[1] for _, name, d in events))
+        release.set()
+
+        events = post.join()
+        ends = {d["assistant_message_id"]: d["status"] for _, name, d in events[:-1] if name == "done"}
+        assert ends == {ids[0]: "complete", ids[1]: "interrupted", ids[2]: "complete"}
+        assert events[-1][1] == "done" and events[-1][2]["assistant_message_id"] is None
+        settled(b.base_url, conv_id)
+        shown = httpx.post(f"{on_b}/branch", json={"message_id": ids[1]}).json()["messages"][-1]
+        assert (shown["content"], shown["status"]) == ("reply 1 begins. ", "interrupted")
+        assert httpx.post(f"{on_b}/stop", json={"assistant_message_id": ids[1]}).status_code == 204, \
+            "nothing runs: still 204"
+    finally:
+        release.set()
+        a.stop()
+        b.stop()
+
+
+def test_a_lone_turns_reply_stopped_by_its_id_through_the_other_server_stops_the_turn(pair, sim):
+    a, b = pair
+    sim.enqueue(slow_reply())
+    conv_id = start_conversation(a.base_url)
+    post = Reader("POST", f"{a.base_url}/api/conversations/{conv_id}/messages", json={"content": "a long story"})
+    post.wait_for(has_delta)
+    reply_id = post.events[0][2]["assistant_message_id"]
+
+    on_b = f"{b.base_url}/api/conversations/{conv_id}"
+    assert httpx.post(f"{on_b}/stop", json={"assistant_message_id": reply_id}, timeout=20).status_code == 204
+    after = httpx.get(on_b).json()  # answered once the reply is saved and the turn let go
+    assert not sim.wait_for_disconnect(timeout=5).completed
+    assert post.join()[-1][2]["status"] == "interrupted"
+    assert after["turn"] is None and after["messages"][-1]["status"] == "interrupted"
 
 
 def test_reattach_on_one_server_gets_every_event_of_the_turn_on_the_other_once(tmp_path, sim, redis_server):

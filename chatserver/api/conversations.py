@@ -54,7 +54,6 @@ from chatserver.turns.pipeline import (
     Turn,
     not_in_lineup,
 )
-from chatserver.turns.redis_hub import RunningElsewhere
 
 router = APIRouter(prefix="/api/conversations", tags=["conversations"])
 
@@ -402,11 +401,7 @@ async def stop_turn(conv_id: str, state: StateDep, store: OwnerStoreDep,
     `assistant_message_id` stops only that reply of a comparison."""
     await store.get(conv_id)
     if body is not None and body.assistant_message_id is not None:
-        try:
-            await state.hub.stop_reply(conv_id, body.assistant_message_id)
-        except RunningElsewhere:
-            raise Conflict("this comparison runs on another server process, which alone can stop one of its "
-                           "replies; Stop without assistant_message_id stops them all") from None
+        await state.hub.stop_reply(conv_id, body.assistant_message_id)
     else:
         await state.hub.stop(conv_id)
     return Response(status_code=204)

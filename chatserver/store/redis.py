@@ -22,7 +22,8 @@ Layout, all keys under one prefix (`chat:` by default):
 - `memory:<owner>`, `models`, and `kv:<key>` (small JSON values for other modules: accounts, sessions).
 - `presets:<owner>`, `projects:<owner>`, `shares:<owner>`: each person's small documents
   (OWNER_DOCUMENTS), and `share:<share id>` a shared snapshot, read without an owner.
-- `stop:<id>` a pub/sub channel: Stop from any process reaches the process running the turn.
+- `stop:<id>` a pub/sub channel: Stop from any process reaches the process running the turn;
+  `stop:<id>:<reply id>` stops one reply of a comparison.
 - `events:<id>` a stream of the running turn's events (ids `0-<seq>`), so a re-attach on any
   process replays and follows them; it expires shortly after the turn's last event.
 
@@ -688,18 +689,20 @@ class RedisStore:
 
 
     # Stop from any process: one pattern subscription per process, dispatched to the turns it runs.
-    async def publish_stop(self, conv_id: str) -> int:
-        """Ask whichever process runs `conv_id`'s turn to stop it; how many processes heard the request.
+    async def publish_stop(self, conv_id: str, assistant_id: str | None = None) -> int:
+        """Ask whichever process runs `conv_id`'s turn to stop it (only its reply `assistant_id`, given
+        one); how many processes heard the request.
 
         0 means no process is listening just now (none started a turn yet, or one is re-subscribing
         after Redis came back): a caller that still sees the turn locked may ask again.
         """
         with self.reachable():
-            return await self.redis.publish(f"{self.prefix}stop:{conv_id}", b"stop")
+            return await self.redis.publish(f"{self.prefix}stop:{_stop_key(conv_id, assistant_id)}", b"stop")
 
     @asynccontextmanager
-    async def subscribe_stop(self, conv_id: str) -> AsyncIterator[asyncio.Event]:
-        """Within the block, the event is set once a stop for `conv_id` is published (by any process).
+    async def subscribe_stop(self, conv_id: str, assistant_id: str | None = None) -> AsyncIterator[asyncio.Event]:
+        """Within the block, the event is set once a stop for `conv_id` (for its reply `assistant_id`,
+        given one) is published by any process.
 
         Entering waits until this process's subscription is live (StoreUnavailable if Redis does
         not answer), so a stop published after entering is never missed while Redis stays up.
@@ -707,11 +710,12 @@ class RedisStore:
         if self._stops is None:
             self._stops = _StopListener(self)
         event = asyncio.Event()
-        await self._stops.add(conv_id, event)
+        key = _stop_key(conv_id, assistant_id)
+        await self._stops.add(key, event)
         try:
             yield event
         finally:
-            self._stops.remove(conv_id, event)
+            self._stops.remove(key, event)
 
     # A running turn's events, so that any process can replay and follow them (re-attach).
     def events_key(self, conv_id: str) -> str:
@@ -789,7 +793,9 @@ class RedisStore:
             return None
         with suppress(NotFound):
             conv = await self.for_owner(owner.decode()).get(conv_id)
-            return next((m for m in reversed(conv["messages"]) if m["id"] == message_id), None)
+            # A compared reply other than the first is off the path.
+            return next((m for m in [*reversed(conv["messages"]), *(conv.get("off_path") or [])]
+                         if m["id"] == message_id), None)
         return None
 
 
@@ -800,6 +806,11 @@ class TurnTail:
     seq: int
     turn_id: str
     last: bool
+
+
+def _stop_key(conv_id: str, assistant_id: str | None) -> str:
+    """The stop channel's suffix: a conversation id has no ':', so a reply's channel never names another's."""
+    return conv_id if assistant_id is None else f"{conv_id}:{assistant_id}"
 
 
 class _StopListener:
@@ -813,23 +824,23 @@ class _StopListener:
         self.failure: str = ""
         self.task: asyncio.Task | None = None
 
-    async def add(self, conv_id: str, event: asyncio.Event) -> None:
+    async def add(self, key: str, event: asyncio.Event) -> None:
         if self.task is None or self.task.done():
             self.task = asyncio.create_task(self._run(), name="redis stop listener")
-        self.waiting.setdefault(conv_id, set()).add(event)
+        self.waiting.setdefault(key, set()).add(event)
         try:
             await asyncio.wait_for(self.live.wait(), SUBSCRIBE_TIMEOUT)
         except asyncio.TimeoutError:
-            self.remove(conv_id, event)
+            self.remove(key, event)
             raise StoreUnavailable(f"Redis at {self.store.where} is unreachable ({self.failure or 'no answer'})") \
                 from None
 
-    def remove(self, conv_id: str, event: asyncio.Event) -> None:
-        events = self.waiting.get(conv_id)
+    def remove(self, key: str, event: asyncio.Event) -> None:
+        events = self.waiting.get(key)
         if events is not None:
             events.discard(event)
             if not events:
-                del self.waiting[conv_id]
+                del self.waiting[key]
 
     async def _run(self) -> None:
         while True:
@@ -845,8 +856,8 @@ class _StopListener:
                     if message["type"] == "psubscribe":
                         self.live.set()
                     elif message["type"] == "pmessage":
-                        conv_id = message["channel"][len(self.channel_prefix):].decode()
-                        for event in self.waiting.get(conv_id, ()):
+                        key = message["channel"][len(self.channel_prefix):].decode()
+                        for event in self.waiting.get(key, ()):
                             event.set()
             except Exception as exc:
                 self.live.clear()

@@ -10,6 +10,9 @@ event 1 without a round trip). On top of it:
 - the process listens to the conversation's stop channel for the turn's lifetime, so `stop` on
   any process (`publish_stop`) cancels the turn where it runs, as a local stop does; the process
   that asked answers once the turn has let go (bounded by STOP_WAIT), its reply saved by then;
+- it also listens to each reply's own stop channel (a comparison's replies, a lone turn's one),
+  so `stop_reply` on any process stops that reply where it runs, as a local `stop_reply` does;
+  the process that asked answers once the reply is saved or the turn let go (bounded by STOP_WAIT);
 - `info` reads the lock and the latest event kept in Redis for a turn running elsewhere.
 
 A process that dies mid-turn leaves its events without a last one, and its heartbeat beside the
@@ -48,10 +51,6 @@ STOP_POLL_MS = 250
 CLOSE_WAIT = 5.0
 
 
-class RunningElsewhere(Exception):
-    """A request only the process running the turn can carry out reached another one."""
-
-
 class RedisTurnHub:
     """Turns of this process, mirrored to Redis; turns of other processes, read from it."""
 
@@ -63,8 +62,12 @@ class RedisTurnHub:
 
     def start(self, turn: Turn | Comparison) -> RunningTurn:
         running = self.local.start(turn)
-        for work, name in ((self._copy(running), "copy"), (self._listen_for_stop(running), "stop listener"),
-                           (self._noted(running), "note")):
+        helpers = [(self._copy(running), "copy"), (self._listen_for_stop(running), "stop listener"),
+                   (self._noted(running), "note")]
+        # A reply's own Stop: one reply of a comparison, or a lone turn's reply (which stops it whole).
+        helpers += [(self._listen_for_stop(running, reply.assistant_id), f"reply {reply.assistant_id} stop listener")
+                    for reply in (turn.lanes if isinstance(turn, Comparison) else [turn])]
+        for work, name in helpers:
             task = asyncio.create_task(work, name=f"turn {turn.conv_id} {name}")
             self._helpers.add(task)
             task.add_done_callback(self._helpers.discard)
@@ -109,29 +112,42 @@ class RedisTurnHub:
         if self.local.running(conv_id) is not None:
             await self.local.stop(conv_id)
             return
+        await self._ask_to_stop(conv_id, None)
+
+    async def stop_reply(self, conv_id: str, assistant_id: str) -> None:
+        """Stop one reply of a comparison wherever it runs (a lone turn's reply stops it whole);
+        answer once that reply is saved or the turn let go. An id of no running reply costs STOP_WAIT
+        here: only the process running the turn knows its replies."""
+        if self.local.running(conv_id) is not None:
+            await self.local.stop_reply(conv_id, assistant_id)
+            return
+        await self._ask_to_stop(conv_id, assistant_id)
+
+    async def _ask_to_stop(self, conv_id: str, assistant_id: str | None) -> None:
+        """Publish the Stop (of one reply, given its id) until it is done where the turn runs, at most STOP_WAIT."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STOP_WAIT
         while True:
             locked, tail = await self.store.turn_state(conv_id)
             if not locked:
                 return  # nothing runs, or the stopped turn has saved and let go
+            if assistant_id is not None:
+                # A compared reply is stored once it ends (stopped, or finished before the Stop came);
+                # a lone turn's reply is stored `streaming` (a checkpoint) until then.
+                stored = await self.store.stored_reply(conv_id, assistant_id)
+                if stored is not None and stored.get("status") != "streaming":
+                    return
             # Asked again on every wake: a process whose listener was not live yet hears a later one.
-            await self.store.publish_stop(conv_id)
+            await self.store.publish_stop(conv_id, assistant_id)
             remaining = deadline - loop.time()
             if remaining <= 0:
-                log.warning("the turn on %s did not let go within %s s of Stop", conv_id, STOP_WAIT)
+                log.warning("%s on %s did not stop within %s s of Stop",
+                            "the turn" if assistant_id is None else f"reply {assistant_id} of the turn", conv_id, STOP_WAIT)
                 return
-            # Any new event wakes this; the turn's last one comes after it let the conversation go.
+            # Any new event wakes this: a reply's `done` comes once it is saved, the turn's last one
+            # once it let the conversation go.
             await self.store.wait_turn_event(conv_id, tail.seq if tail is not None else 0,
                                              block_ms=max(1, min(int(remaining * 1000), STOP_POLL_MS)))
-
-    async def stop_reply(self, conv_id: str, assistant_id: str) -> None:
-        """One reply of a comparison is stopped only by the process running it: the stop channel
-        carries no reply id, and a whole Stop here would stop the replies the person kept going."""
-        if self.local.running(conv_id) is not None:
-            await self.local.stop_reply(conv_id, assistant_id)
-        elif (await self.store.turn_state(conv_id))[0]:
-            raise RunningElsewhere(conv_id)
 
     async def close(self) -> None:
         await tasks.stop(self._sweeper)
@@ -168,17 +184,18 @@ class RedisTurnHub:
             except Exception:
                 log.exception("looking for turns whose server is gone failed; looking again at the next beat")
 
-    async def _listen_for_stop(self, running: RunningTurn) -> None:
-        """Until the turn ends: a Stop published by any process stops it here."""
+    async def _listen_for_stop(self, running: RunningTurn, assistant_id: str | None = None) -> None:
+        """Until the turn ends: a Stop published by any process stops it here (only its reply
+        `assistant_id` of a comparison, given one)."""
         try:
-            async with self.store.subscribe_stop(running.conv_id) as stopped:
+            async with self.store.subscribe_stop(running.conv_id, assistant_id) as stopped:
                 asked = asyncio.ensure_future(stopped.wait())
                 try:
                     await asyncio.wait([asked, running.task], return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     asked.cancel()
                 if stopped.is_set():
-                    await running.stop()
+                    await (running.stop() if assistant_id is None else running.stop_reply(assistant_id))
         except StoreUnavailable as exc:
             log.warning("the turn on %s cannot hear a Stop from other processes: %s", running.conv_id, exc)
 
