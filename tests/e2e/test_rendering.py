@@ -34,6 +34,13 @@ def finished_reply(page, sim, text, *, chunk_size=None, prompt="Show me"):
     return reply
 
 
+def grown(page, transcript) -> None:
+    """Wait (bounded) until the streaming reply has made the transcript taller than it is now."""
+    height = transcript.evaluate("t => t.scrollHeight")
+    page.wait_for_function("([t, h]) => t.scrollHeight > h", arg=[transcript.element_handle(), height],
+                           timeout=20_000)
+
+
 def test_fenced_code_is_highlighted_with_a_language_label_and_copy(page, sim):
     reply = finished_reply(page, sim, CODE_REPLY, chunk_size=7)
     blocks = reply.get_by_test_id("code-block")
@@ -189,13 +196,13 @@ def test_scrolling_up_during_a_long_reply_offers_a_jump_back_to_the_latest(page,
     page.mouse.wheel(0, -2000)
     expect(jump).to_be_visible()
     top = transcript.evaluate("t => t.scrollTop")
-    page.wait_for_timeout(600)  # more paragraphs arrive; the view stays where the person put it
+    grown(page, transcript)  # more paragraphs arrive; the view stays where the person put it
     assert transcript.evaluate("t => t.scrollTop") == top
     assert transcript.evaluate(gap) > 80
 
     jump.click()
     expect(jump).to_be_hidden()
-    page.wait_for_timeout(600)  # following again: still at the bottom as the reply grows
+    grown(page, transcript)  # following again: still at the bottom as the reply grows
     assert transcript.evaluate(gap) < 80
     expect(reply).to_have_attribute("data-status", "complete", timeout=20_000)
     expect(jump).to_be_hidden()
