@@ -1363,6 +1363,24 @@ def run_results_script(log, script: str, results: str, what: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def run_stdout_script(log, script: str, what: str, *, timeout: int = 600, flat: bool = True) -> dict:
+    """A benchmark script that prints its JSON answer, run in a process of its own; `flat`: only its
+    scalar keys go into results.json (the script's own file keeps the rest)."""
+    name = script.removesuffix("_bench.py")
+    log(f"{what} (bench/{script})")
+    try:
+        done = subprocess.run([PY, str(BENCH / script)], cwd=ROOT, timeout=timeout,
+                              stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        log(f"  {script} ran over {timeout} s and was stopped")
+        return {f"{name}_error": f"{script} ran over {timeout} s"}
+    if done.returncode != 0:
+        log(f"  {script} exited with {done.returncode}")
+        return {f"{name}_error": f"{script} exited with {done.returncode}"}
+    data = json.loads(done.stdout)
+    return {k: v for k, v in data.items() if not isinstance(v, (dict, list))} if flat else data
+
+
 def run_tool_bench(log) -> dict:
     """The tool-round benchmark (bench/tool_bench.py): what a tool round adds before the next request."""
     return run_results_script(log, "tool_bench.py", "results_tools.json", "tool-round benchmark")
@@ -1386,35 +1404,18 @@ def run_answers_bench(log) -> dict:
         log("  answers_bench.py ran over 600 s and was stopped")
         return {"answers_error": "answers_bench.py ran over 600 s"}
     return json.loads((BENCH / "results_answers.json").read_text())
+
+
 def run_costs_bench(log) -> dict:
     """The costs benchmark (bench/costs_bench.py): what charging adds to a turn; the usage report and
     the budget check over a month of charges."""
-    log("costs benchmark (bench/costs_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "costs_bench.py")], cwd=ROOT, timeout=600)
-        if done.returncode != 0:
-            log(f"  costs_bench.py exited with {done.returncode}")
-    except subprocess.TimeoutExpired:
-        log("  costs_bench.py ran over 600 s and was stopped")
-    path = BENCH / "results_costs.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return run_results_script(log, "costs_bench.py", "results_costs.json", "costs benchmark")
 
 
 def run_attachments_bench(log) -> dict:
     """The attachment benchmark (bench/attachments_bench.py): a 300-page PDF's ingest rate beside the
     raw library's, search over 10,000 passages, and the gaps of 50 streams while that PDF uploads."""
-    log("attachment benchmark (bench/attachments_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "attachments_bench.py")], cwd=ROOT, timeout=600,
-                              stdout=subprocess.PIPE, text=True)
-    except subprocess.TimeoutExpired:
-        log("  attachments_bench.py ran over 600 s and was stopped")
-        return {"attachments_error": "attachments_bench.py ran over 600 s"}
-    if done.returncode != 0:
-        log(f"  attachments_bench.py exited with {done.returncode}")
-        return {"attachments_error": f"attachments_bench.py exited with {done.returncode}"}
-    data = json.loads(done.stdout)
-    return {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+    return run_stdout_script(log, "attachments_bench.py", "attachment benchmark")
 
 
 def run_vision_bench(log) -> dict:
@@ -1435,33 +1436,13 @@ def run_vision_bench(log) -> dict:
 def run_s3_bench(log) -> dict:
     """The S3 benchmark (bench/s3_bench.py): a 20 MiB file up to and down from a server with
     BLOB_STORE=s3 on SeaweedFS, its time and the server's peak memory, beside BLOB_STORE=files."""
-    log("S3 benchmark (bench/s3_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "s3_bench.py")], cwd=ROOT, timeout=300,
-                              stdout=subprocess.PIPE, text=True)
-    except subprocess.TimeoutExpired:
-        log("  s3_bench.py ran over 300 s and was stopped")
-        return {"s3_error": "s3_bench.py ran over 300 s"}
-    if done.returncode != 0:
-        log(f"  s3_bench.py exited with {done.returncode}")
-        return {"s3_error": f"s3_bench.py exited with {done.returncode}"}
-    return json.loads(done.stdout)
+    return run_stdout_script(log, "s3_bench.py", "S3 benchmark", timeout=300, flat=False)
 
 
 def run_images_bench(log) -> dict:
     """The images benchmark (bench/images_bench.py): 20 uploads of a 12-megapixel JPEG arriving
     together, the server's peak memory while they are read (in children) and the time they take."""
-    log("images benchmark (bench/images_bench.py)")
-    try:
-        done = subprocess.run([PY, str(BENCH / "images_bench.py")], cwd=ROOT, timeout=600,
-                              stdout=subprocess.PIPE, text=True)
-    except subprocess.TimeoutExpired:
-        log("  images_bench.py ran over 600 s and was stopped")
-        return {"images_error": "images_bench.py ran over 600 s"}
-    if done.returncode != 0:
-        log(f"  images_bench.py exited with {done.returncode}")
-        return {"images_error": f"images_bench.py exited with {done.returncode}"}
-    return {k: v for k, v in json.loads(done.stdout).items() if not isinstance(v, (dict, list))}
+    return run_stdout_script(log, "images_bench.py", "images benchmark")
 
 
 def run_render_bench(log) -> dict:
