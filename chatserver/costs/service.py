@@ -92,8 +92,10 @@ class Costs:
         try:
             response = await self.gateway.client.get(self.gateway.url("/v1/models"), headers=self._auth(), timeout=10)
             self._published = published_prices(response.json()) if response.status_code == 200 else {}
-        except (httpx.HTTPError, ValueError):
-            pass  # unreachable now: the prices read before stay, and the next hour tries again
+        except (httpx.HTTPError, ValueError, RuntimeError):
+            # Unreachable now (or the client closed under a shutdown): the prices read before stay,
+            # and the next hour tries again.
+            pass
         self._published_at = time.monotonic()
 
     async def published_prices(self, *, wait: bool = False) -> dict[str, Price]:
