@@ -53,6 +53,10 @@ MAX_EXPANSION = 300
 # Above this many candidate messages, bm25 ranking costs more than it helps: newest first.
 RANK_AT_MOST = 3_000
 TITLE = ""  # the message_id of a conversation's title row
+# How long a turn's save waits for others to share its transaction: at a hundred turns a second a
+# transaction (and a wake-up of the writer thread, which contends for the GIL) per save cost the
+# loop more than the writes. A search does not wait for it: it hurries the pending writes.
+GATHER_SECONDS = 0.2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -250,6 +254,7 @@ class SearchIndex:
         self._queued: list[tuple[Callable, tuple, asyncio.Future]] = []
         self._queue_lock = threading.Lock()
         self._draining = False
+        self._gathering: asyncio.TimerHandle | None = None
 
     # Connections -----------------------------------------------------------------------------
 
@@ -277,12 +282,12 @@ class SearchIndex:
             self._local.conn = conn
         return conn
 
-    def _submit(self, fn, *args) -> asyncio.Future:
+    def _submit(self, fn, *args, gather: bool = False) -> asyncio.Future:
         """Queue a write now (so writes keep the order of the calls); await the result or not.
 
-        The writes that gather while the writer thread is busy go in together: one hand-off to
-        the thread, one transaction and one wake-up of the loop for the lot. A turn's two saves
-        each cost a thread hand-off and a commit of their own before, a hundred times a second.
+        The writes that gather while the writer thread is busy, or for GATHER_SECONDS when the
+        write may `gather`, go in together: one hand-off to the thread, one transaction and one
+        wake-up of the loop for the lot.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -291,10 +296,21 @@ class SearchIndex:
             self._queued.append((fn, args, future))
             start = not self._draining
             self._draining = True
-        if start:
+        if start and gather:
+            self._gathering = loop.call_later(GATHER_SECONDS, self._hurry)
+        elif start:
             self._writer.submit(self._drain, loop)
+        elif not gather:
+            self._hurry()
         self._last_write = future
         return future
+
+    def _hurry(self) -> None:
+        """Hand the gathered writes to the writer thread now, if they are still waiting."""
+        if self._gathering is not None:
+            self._gathering.cancel()
+            self._gathering = None
+            self._writer.submit(self._drain, asyncio.get_running_loop())
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """In the writer thread: run what has been queued, batch after batch, until nothing is left."""
@@ -352,7 +368,7 @@ class SearchIndex:
         """Add or update a few messages (a turn's save) and the title; cheap, nothing else is read."""
         rows = [row for m in messages if (row := searchable(m)) is not None]
         stamp = updated_at or max((m.get("created_at") or "" for m in messages), default="")
-        return self._submit(_put_messages, owner, conv_id, title or "", stamp, rows)
+        return self._submit(_put_messages, owner, conv_id, title or "", stamp, rows, gather=True)
 
     def remove_conversation(self, owner: str, conv_id: str) -> asyncio.Future:
         return self._submit(_remove, owner, conv_id)
@@ -374,6 +390,7 @@ class SearchIndex:
         query = Query.parse(q)
         if not query.terms or limit <= 0:
             return []
+        self._hurry()
         if self._last_write is not None and not self._last_write.done():
             # A change made before this search (an edit, a rename) is found by it; writes run in order.
             await asyncio.wait([self._last_write])
@@ -407,6 +424,7 @@ class SearchIndex:
 
     async def stamps(self, owner: str) -> dict[str, str]:
         """The `updated_at` the index holds for each of the owner's conversations (after queued writes)."""
+        self._hurry()
         if self._last_write is not None and not self._last_write.done():
             await asyncio.wait([self._last_write])
 
@@ -430,6 +448,7 @@ class SearchIndex:
         if self._closed:
             return
         self._closed = True
+        self._hurry()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._writer, self._close_writer)
         self._writer.shutdown(wait=False)
