@@ -37,12 +37,17 @@ class State:
         self.events = events if events is not None else PersonEvents()
         self.hub = hub if hub is not None else LocalTurnHub(turns, self.events)
         self.mcp: McpServers | None = None  # set by lifespan
+        # The built-in part of the lineup for the last set of seeing models: a turn asks for the
+        # lineup four times, and the settings it comes from never change while the server runs.
+        self._builtin: tuple[frozenset[str], list[ModelInfo]] | None = None
 
     async def lineup(self) -> list[ModelInfo]:
         # Who reads images: VISION_MODELS, or the gateway's list says so; a custom model's own
         # choice, when it made one, wins over both.
         seeing = self.settings.vision_ids | (await self.catalog.vision_ids() if self.catalog else frozenset())
-        builtin = [dataclasses.replace(m, vision=m.id in seeing) for m in self.settings.lineup()]
+        if self._builtin is None or self._builtin[0] != seeing:
+            self._builtin = seeing, [dataclasses.replace(m, vision=m.id in seeing) for m in self.settings.lineup()]
+        builtin = list(self._builtin[1])
         known = {m.id for m in builtin}
         # From the setting itself: a custom model can be a reasoning model too.
         reasoning = {m.strip() for m in self.settings.reasoning_models.split(",") if m.strip()}
