@@ -469,3 +469,61 @@ async def conversation_with_a_turn(root: Path):
     store = files.for_owner(LOCAL_OWNER)
     conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
     return files, store, conv, await store.lock_turn(conv["id"])
+
+
+async def wait_until(predicate, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_whole_writes_that_gather_share_one_directory_fsync_and_each_file_keeps_its_own(tmp_path, monkeypatch):
+    """Group commit: the writes queued while the writer is busy land as one batch, their directory fsynced once."""
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    convs = [await store.create({"id": new_id(), "model": "m", "settings": {}}) for _ in range(20)]
+    loop = asyncio.get_running_loop()
+    held, release, writers = asyncio.Event(), threading.Event(), set()
+
+    def hold_the_first(path, data):
+        writers.add(threading.current_thread().name)
+        if not held.is_set():
+            loop.call_soon_threadsafe(held.set)
+            release.wait(10)
+
+    files.before_write = hold_the_first
+    directories, plain = [], []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (directories if os.path.isdir(f"/proc/self/fd/{fd}") else plain)
+                        .append(fd) or real(fd))
+
+    first = asyncio.create_task(store.update(convs[0]["id"], lambda c: c.update(title="first")))
+    await asyncio.wait_for(held.wait(), 10)
+    rest = [asyncio.create_task(store.update(c["id"], lambda c: c.update(title="rest"))) for c in convs[1:]]
+    await wait_until(lambda: len(files._whole_writes._jobs) == len(rest))
+    release.set()
+    await asyncio.gather(first, *rest)
+
+    assert writers == {"conversation-writer"}
+    assert len(plain) == 20, "each conversation file is fsynced"
+    assert len(directories) == 2, "one directory fsync for the first write, one for the nineteen behind it"
+    fresh = FileStore(tmp_path).for_owner(LOCAL_OWNER)
+    assert [(await fresh.get(c["id"]))["title"] for c in convs] == ["first"] + ["rest"] * 19
+
+
+async def test_a_failed_directory_fsync_fails_every_write_of_its_batch(tmp_path, monkeypatch):
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}})
+
+    def no_directory_sync(directory):
+        raise OSError("EIO")
+
+    monkeypatch.setattr(storage, "fsync_directory", no_directory_sync)
+    with pytest.raises(OSError, match="EIO"):
+        await store.update(conv["id"], lambda c: c.update(title="lost?"))
+    monkeypatch.undo()
+    # Memory forgot the change it could not vouch for: the store reads the disk again.
+    assert (await store.get(conv["id"]))["title"] == (json.loads(
+        (files.conversations_dir / f"{conv['id']}.json").read_text())["title"])

@@ -85,7 +85,7 @@ class FileLedger:
         # Each month's sum, kept as charges come and go: a turn reads it, and summing the month's
         # charges instead grew with every turn of the month.
         self._spent: dict[tuple[str, str], float] = {}
-        self._settings: dict[str, tuple[tuple[int, int, int], dict]] = {}
+        self._settings: dict[str, dict] = {}
         self._appends = GroupAppender()
         self._waiting_lock = asyncio.Lock()  # the waiting list is read, changed and written whole
 
@@ -159,27 +159,22 @@ class FileLedger:
         return [tuple(k.split(" ", 1)) for k in await self.read_setting("waiting")]
 
     async def read_setting(self, name: str) -> dict:
-        """The setting as a dict of its own (change it freely); parsed again only once its file changed."""
-        path = self._setting_path(name)
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            return {}
-        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        known = self._settings.get(name)
-        if known is None or known[0] != stamp:
+        """The setting as a dict of its own (change it freely). Read from its file once: only this
+        process writes it (the file store serves one), and a turn reads prices and budgets."""
+        if name not in self._settings:
             try:
-                value = orjson.loads(path.read_bytes())
+                value = orjson.loads(self._setting_path(name).read_bytes())
             except (FileNotFoundError, orjson.JSONDecodeError):
-                return {}
-            known = self._settings[name] = (stamp, value if isinstance(value, dict) else {})
-        return dict(known[1])
+                value = {}
+            self._settings[name] = value if isinstance(value, dict) else {}
+        return dict(self._settings[name])
 
     async def write_setting(self, name: str, value: dict) -> None:
         from chatserver.store.files import atomic_write
 
         self.root.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(atomic_write, self._setting_path(name), orjson.dumps(value))
+        self._settings[name] = dict(value)
 
     async def close(self) -> None:
         return None

@@ -111,9 +111,10 @@ class LockLost(Exception):
     """A write came from a turn whose lock is no longer the conversation's current one."""
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, synced_later: set[Path] | None = None) -> None:
     """Write `data` to `path` so that readers see the old or the new content, never a mix, even
-    after a power cut: the data and the directory are fsynced before it returns."""
+    after a power cut: the data and the directory are fsynced before it returns, or the directory
+    is added to `synced_later` for the caller to fsync (once for a batch of writes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -125,7 +126,14 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    if synced_later is not None:
+        synced_later.add(path.parent)
+    else:
+        fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
@@ -201,8 +209,10 @@ def checkpoints_beside(path: Path) -> list[tuple[int, dict]]:
 
 
 def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
-                    before_write: Callable[[Path, bytes], None] | None = None) -> tuple[int, int] | None:
-    """Put one snapshot on disk; the conversation file's new stamp (None: it was left as it was)."""
+                    before_write: Callable[[Path, bytes], None] | None = None,
+                    synced_later: set[Path] | None = None) -> tuple[int, int] | None:
+    """Put one snapshot on disk; the conversation file's new stamp (None: it was left as it was).
+    `synced_later`: the conversation file's directory is left there for the caller to fsync."""
     if snapshot.checkpoint:
         slot = _checkpoint_paths(path)[snapshot.checkpoint % 2]
         if before_write is not None:
@@ -215,7 +225,8 @@ def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
         atomic_write(earlier / name, data)
     if before_write is not None:
         before_write(path, snapshot.data)
-    atomic_write(path, snapshot.data)
+    # Segments above were synced with their directory: a crash never leaves the file naming a lost one.
+    atomic_write(path, snapshot.data, synced_later)
     stat = path.stat()
     stamp = stat.st_mtime_ns, stat.st_size
     # The file now holds everything memory held, the reply's latest checkpoint included.
@@ -250,26 +261,28 @@ def _overwrite_unsynced(path: Path, chunks: list[bytes]) -> None:
         raise OSError(f"checkpoint {path.name} was written short ({written} bytes)")
 
 
-class CheckpointWriter:
-    """One thread that writes the snapshots which need not survive a power cut (checkpoints).
+class SnapshotWriter:
+    """One thread that writes snapshots, whatever has gathered at a time.
 
-    Through the shared thread pool each checkpoint cost the event loop a task, a pool hand-off
-    and a wake-up; with four hundred replies streaming that was a tenth of a millisecond of loop
-    time each, four hundred times a second, taken from the streams' own events. Here a checkpoint
-    costs a list append; the thread writes whatever has gathered and settles the whole batch
+    Through the shared thread pool each write cost the event loop a task, a pool hand-off and a
+    wake-up, and the thread's work contended for the GIL with the loop's: a hundred turns a
+    second made two whole writes each, and four hundred streaming replies a checkpoint each a
+    second. Here a write costs a list append; the thread writes the batch, fsyncs the directory
+    once for all the whole writes in it (each file is fsynced on its own), and settles the batch
     with one wake-up. It leaves when it has been idle a while, so an idle store holds no thread.
     """
 
     IDLE_SECONDS = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self._jobs: list[tuple] = []
         self._ready = threading.Condition()
         self._running = False
 
     def submit(self, path: Path, earlier: Path, snapshot: Snapshot,
                before_write: Callable[[Path, bytes], None] | None, skip: Callable[[], bool]) -> asyncio.Future:
-        """Queue one checkpoint write; the future settles on the submitting loop."""
+        """Queue one snapshot write; the future settles on the submitting loop once it is on disk."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._ready:
@@ -278,7 +291,7 @@ class CheckpointWriter:
                 self._ready.notify()
             else:
                 self._running = True
-                threading.Thread(target=self._run, name="checkpoint-writer", daemon=True).start()
+                threading.Thread(target=self._run, name=self.name, daemon=True).start()
         return future
 
     def _run(self) -> None:
@@ -290,13 +303,22 @@ class CheckpointWriter:
                     self._running = False
                     return
                 batch, self._jobs = self._jobs, []
-            settled: dict[asyncio.AbstractEventLoop, list] = {}
+            outcomes: list[object] = []
+            directories: set[Path] = set()
             for loop, future, path, earlier, snapshot, before_write, skip in batch:
                 outcome: object
                 try:
-                    outcome = None if skip() else _write_snapshot(path, earlier, snapshot, before_write)
+                    outcome = None if skip() else _write_snapshot(path, earlier, snapshot, before_write, directories)
                 except BaseException as exc:  # handed to the awaiting side, like the pool would
                     outcome = exc
+                outcomes.append(outcome)
+            for directory in directories:
+                try:
+                    fsync_directory(directory)
+                except OSError as exc:  # the renames into it may not survive a power cut: not written
+                    outcomes = [exc if not job[4].checkpoint else outcome for job, outcome in zip(batch, outcomes)]
+            settled: dict[asyncio.AbstractEventLoop, list] = {}
+            for (loop, future, *_), outcome in zip(batch, outcomes):
                 settled.setdefault(loop, []).append((future, outcome))
             for loop, results in settled.items():
                 try:
@@ -336,7 +358,7 @@ class Snapshot:
     keep: set[str] | None  # after a reseal, the only segment files still referenced
     # Non-zero: `data` is one streaming reply, and this its checkpoint's sequence number (from 1;
     # its parity picks the slot). Not fsynced (a power cut may lose a checkpoint, never the
-    # conversation) and written by the CheckpointWriter.
+    # conversation) and written by the checkpoint SnapshotWriter.
     checkpoint: int = 0
 
 
@@ -553,7 +575,8 @@ class FileStore:
         self._deleted: set[str] = set()
         self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
         self._turn_locks: dict[str, TurnLock] = {}
-        self._checkpoints = CheckpointWriter()
+        self._checkpoints = SnapshotWriter("checkpoint-writer")
+        self._whole_writes = SnapshotWriter("conversation-writer")
         # Conversations read with a reply from a checkpoint slot that no whole write has taken in.
         self._unabsorbed: set[str] = set()
         # The last checkpoint's sequence number per conversation. It only grows, so a slot that a
@@ -794,8 +817,8 @@ class FileStore:
                 raise OSError(f"an earlier write of conversation {conv_id} failed, so this one was not made")
         if conv_id in self._deleted:
             return
-        stamp = await anyio.to_thread.run_sync(_write_snapshot, path, self._earlier_dir(conv_id), snapshot,
-                                               self.before_write)
+        stamp = await self._whole_writes.submit(path, self._earlier_dir(conv_id), snapshot, self.before_write,
+                                                lambda: conv_id in self._deleted)
         if stamp is not None and conv_id in self._cache:
             # The file now holds what memory holds: reads may trust the cache while it keeps this stamp.
             self._cache[conv_id] = (stamp, self._cache[conv_id][1])
