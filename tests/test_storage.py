@@ -481,6 +481,7 @@ async def wait_until(predicate, timeout: float = 10) -> None:
 async def test_whole_writes_that_gather_share_one_directory_fsync_and_each_file_keeps_its_own(tmp_path, monkeypatch):
     """Group commit: the writes queued while the writer is busy land as one batch, their directory fsynced once."""
     files = FileStore(tmp_path)
+    files._whole_writes.threads = 1  # one thread, so that what gathers behind the held write is one batch
     store = files.for_owner(LOCAL_OWNER)
     convs = [await store.create({"id": new_id(), "model": "m", "settings": {}}) for _ in range(20)]
     loop = asyncio.get_running_loop()
@@ -527,3 +528,29 @@ async def test_a_failed_directory_fsync_fails_every_write_of_its_batch(tmp_path,
     # Memory forgot the change it could not vouch for: the store reads the disk again.
     assert (await store.get(conv["id"]))["title"] == (json.loads(
         (files.conversations_dir / f"{conv['id']}.json").read_text())["title"])
+
+
+async def test_a_slow_write_does_not_hold_up_another_conversations_write(tmp_path):
+    """A burst of turns must not queue behind one disk flush at a time: another writer thread takes it."""
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    slow, quick = [await store.create({"id": new_id(), "model": "m", "settings": {}}) for _ in range(2)]
+    loop = asyncio.get_running_loop()
+    held, release = asyncio.Event(), threading.Event()
+
+    def hold_the_slow_one(path, data):
+        if path.name == f"{slow['id']}.json":
+            loop.call_soon_threadsafe(held.set)
+            release.wait(10)
+
+    files.before_write = hold_the_slow_one
+    try:
+        stuck = asyncio.create_task(store.update(slow["id"], lambda c: c.update(title="slow")))
+        await asyncio.wait_for(held.wait(), 10)
+        await asyncio.wait_for(store.update(quick["id"], lambda c: c.update(title="quick")), 5)
+        assert not stuck.done()
+    finally:
+        release.set()
+    await stuck
+    fresh = FileStore(tmp_path).for_owner(LOCAL_OWNER)
+    assert [(await fresh.get(c["id"]))["title"] for c in (slow, quick)] == ["slow", "quick"]

@@ -77,6 +77,8 @@ log = logging.getLogger("chat.storage")
 OWNER_PATTERN = re.compile(r"[a-z0-9_.-]{1,64}")
 SEGMENT_MESSAGES = 500
 SEAL_AFTER = 2 * SEGMENT_MESSAGES
+CHECKPOINT_GATHER_SECONDS = 0.05
+WHOLE_WRITE_THREADS = 4
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
 # The lists that grow at their end, each with the field that names its sealed segments.
 SEALED_LISTS = {"messages": "earlier_messages", "archive": "earlier_archive"}
@@ -262,23 +264,32 @@ def _overwrite_unsynced(path: Path, chunks: list[bytes]) -> None:
 
 
 class SnapshotWriter:
-    """One thread that writes snapshots, whatever has gathered at a time.
+    """A few threads that write snapshots, each taking whatever has gathered at a time.
 
     Through the shared thread pool each write cost the event loop a task, a pool hand-off and a
     wake-up, and the thread's work contended for the GIL with the loop's: a hundred turns a
     second made two whole writes each, and four hundred streaming replies a checkpoint each a
-    second. Here a write costs a list append; the thread writes the batch, fsyncs the directory
+    second. Here a write costs a list append; a thread writes the batch, fsyncs the directory
     once for all the whole writes in it (each file is fsynced on its own), and settles the batch
-    with one wake-up. It leaves when it has been idle a while, so an idle store holds no thread.
+    with one wake-up. While every thread is busy (an fsync takes a while) another starts, up to
+    `threads`, so a burst of turns does not queue behind one disk flush at a time. Threads leave
+    when they have been idle a while, so an idle store holds none.
     """
 
     IDLE_SECONDS = 5.0
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, gather: float = 0.0, threads: int = 1) -> None:
         self.name = name
+        # Waking a sleeping thread is the dear part (a futex wake, a context switch, GIL hand-offs:
+        # about a tenth of the loop's time at 200 streams when each write woke it), so the writes of
+        # one pass of the loop, or of `gather` seconds, wake it once.
+        self.gather = gather
+        self.threads = threads
         self._jobs: list[tuple] = []
         self._ready = threading.Condition()
-        self._running = False
+        self._running = 0  # threads alive
+        self._idle = 0  # of them, waiting for work
+        self._waking = False
 
     def submit(self, path: Path, earlier: Path, snapshot: Snapshot,
                before_write: Callable[[Path, bytes], None] | None, skip: Callable[[], bool]) -> asyncio.Future:
@@ -287,20 +298,34 @@ class SnapshotWriter:
         future = loop.create_future()
         with self._ready:
             self._jobs.append((loop, future, path, earlier, snapshot, before_write, skip))
-            if self._running:
-                self._ready.notify()
+        if not self._waking:
+            self._waking = True
+            if self.gather:
+                loop.call_later(self.gather, self._wake)
             else:
-                self._running = True
-                threading.Thread(target=self._run, name=self.name, daemon=True).start()
+                loop.call_soon(self._wake)
         return future
+
+    def _wake(self) -> None:
+        self._waking = False
+        with self._ready:
+            if not self._jobs:
+                return
+            if self._idle:
+                self._ready.notify()
+            elif self._running < self.threads:
+                self._running += 1
+                threading.Thread(target=self._run, name=self.name, daemon=True).start()
 
     def _run(self) -> None:
         while True:
             with self._ready:
                 if not self._jobs:
+                    self._idle += 1
                     self._ready.wait(self.IDLE_SECONDS)
+                    self._idle -= 1
                 if not self._jobs:
-                    self._running = False
+                    self._running -= 1
                     return
                 batch, self._jobs = self._jobs, []
             outcomes: list[object] = []
@@ -575,8 +600,9 @@ class FileStore:
         self._deleted: set[str] = set()
         self._sealed: dict[str, dict[str, Sealed]] = {}  # conv id -> list name -> its sealed prefix
         self._turn_locks: dict[str, TurnLock] = {}
-        self._checkpoints = SnapshotWriter("checkpoint-writer")
-        self._whole_writes = SnapshotWriter("conversation-writer")
+        # Nobody waits for a checkpoint: they may gather a while. A whole write is waited for.
+        self._checkpoints = SnapshotWriter("checkpoint-writer", gather=CHECKPOINT_GATHER_SECONDS)
+        self._whole_writes = SnapshotWriter("conversation-writer", threads=WHOLE_WRITE_THREADS)
         # Conversations read with a reply from a checkpoint slot that no whole write has taken in.
         self._unabsorbed: set[str] = set()
         # The last checkpoint's sequence number per conversation. It only grows, so a slot that a
