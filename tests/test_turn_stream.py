@@ -161,6 +161,29 @@ async def test_frames_arrive_in_order_as_more_body_then_an_empty_end_under_sse_h
 
 # --- Pings ---
 
+async def test_a_ping_follows_each_ping_interval_of_silence_counted_from_the_last_frame(quick_pings):
+    """Regression: the handler waited a whole interval at a time, so a frame sent soon after it began
+    to wait put the next ping off to nearly twice the interval of silence."""
+    peer, source, closed = Peer(), Source(), Closed()
+    first = frames(1)[0]
+    response = start(peer, source, closed)
+    await asyncio.sleep(quick_pings / 8)  # the scenario: a first frame a moment in, then silence
+    source.feed(first)
+    await peer.until(lambda sent: sum(m.get("body") == PING for m in sent) >= 2)
+
+    [sent_first] = peer.times_of(first)
+    pinged = peer.times_of(PING)
+    silences = [pinged[0] - sent_first, pinged[1] - pinged[0]]
+    for silence in silences:
+        assert quick_pings * 0.95 <= silence < quick_pings * 1.5, silences
+    assert all(m.get("more_body") for m in peer.messages[1:])
+
+    source.feed(None)
+    await ended(response)
+    assert peer.bodies()[-1] == b"" and peer.messages[-1]["more_body"] is False
+    assert_torn_down(source, closed)
+
+
 async def test_no_ping_while_frames_come_faster_than_the_ping_interval(quick_pings):
     peer, source, closed = Peer(), Source(), Closed()
     response = start(peer, source, closed, send_timeout=5)
@@ -201,6 +224,21 @@ async def test_a_reader_that_accepts_nothing_for_send_timeout_is_dropped(caplog)
     assert 0.2 <= took < 0.8, took
     assert peer.bodies() == [first]
     assert "dropped a turn stream whose reader accepted nothing for 0.2s" in caplog.text
+    assert_torn_down(source, closed)
+
+
+async def test_a_stalled_reader_is_dropped_when_only_pings_are_being_sent(monkeypatch):
+    """Regression: the handler awaited the ping's send with no bound, so a reader that stopped
+    reading during a silent stretch (a person's events stream is mostly silence) held the stream,
+    unwatched for a hang-up or a stopping server, as long as the socket lived."""
+    monkeypatch.setattr(sse, "PING_SECONDS", 0.1)
+    peer, source, closed = Peer(), Source(), Closed()
+    response = start(peer, source, closed, send_timeout=0.3)
+    await peer.until(lambda sent: any(m.get("body") == PING for m in sent))
+
+    peer.stall()
+    took = await ended(response)
+    assert took < 1.0, took
     assert_torn_down(source, closed)
 
 
