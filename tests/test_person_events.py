@@ -216,3 +216,18 @@ def test_a_turn_whose_server_died_ends_for_the_pages_on_the_other(tmp_path, sim,
         page_on_b.close()
         a.stop()
         b.stop()
+
+
+def test_a_server_asked_to_stop_ends_its_open_event_streams_and_exits(live_server):
+    """uvicorn waits, with no limit, for every open response before it exits: every open page holds
+    an events stream, which must end on the exit signal (sse-starlette's hook on uvicorn sets
+    AppStatus.should_exit; TurnResponse watches it)."""
+    page = Listener(live_server.base_url)
+    try:
+        live_server.process.send_signal(signal.SIGTERM)
+        # Once shut down, uvicorn raises the signal it caught again: SIGTERM ends the process.
+        assert live_server.process.wait(5) == -signal.SIGTERM
+        page._thread.join(5)
+        assert not page._thread.is_alive(), "the page's stream never ended"
+    finally:
+        page.close()

@@ -169,7 +169,7 @@ class TurnResponse(Response):
         stopping = _stopping_signal()
         try:
             while True:
-                done, _ = await asyncio.wait((pump, left, stopping), timeout=self._tick(),
+                done, _ = await asyncio.wait((pump, left, stopping), timeout=self._tick(loop.time()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if pump in done:
                     pump.result()
@@ -183,7 +183,9 @@ class TurnResponse(Response):
                     return
                 if self._sending_since is None and now - self._last_sent >= PING_SECONDS:
                     self._last_sent = now
-                    await send({"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True})
+                    if not await self._ping(send):
+                        log.info("dropped a turn stream whose reader accepted no ping for %ss", self.send_timeout)
+                        return
         finally:
             left.cancel()
             stopping.cancel()
@@ -192,9 +194,20 @@ class TurnResponse(Response):
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
 
-    def _tick(self) -> float:
-        waits = [PING_SECONDS] + ([self.send_timeout / 2] if self.send_timeout is not None else [])
-        return min(waits)
+    def _tick(self, now: float) -> float:
+        # Until the next ping is due, counted from the last frame sent (not from this wait).
+        ping = PING_SECONDS if self._sending_since is not None else max(self._last_sent + PING_SECONDS - now, 0.0)
+        return ping if self.send_timeout is None else min(ping, self.send_timeout / 2)
+
+    async def _ping(self, send) -> bool:
+        """Sends a comment line; False if the reader took over `send_timeout` to accept it (while
+        this send waits, nothing watches for a hang-up or a stopping server, so it is bounded too)."""
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await send({"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True})
+        except TimeoutError:
+            return False
+        return True
 
     async def _pump(self, send) -> None:
         loop = asyncio.get_running_loop()
