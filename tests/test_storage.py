@@ -481,7 +481,8 @@ async def wait_until(predicate, timeout: float = 10) -> None:
 async def test_whole_writes_that_gather_share_one_directory_fsync_and_each_file_keeps_its_own(tmp_path, monkeypatch):
     """Group commit: the writes queued while the writer is busy land as one batch, their directory fsynced once."""
     files = FileStore(tmp_path)
-    files._whole_writes.threads = 1  # one thread, so that what gathers behind the held write is one batch
+    # One thread taking any number at a time, so that what gathers behind the held write is one batch.
+    files._whole_writes.threads, files._whole_writes.batch = 1, 100
     store = files.for_owner(LOCAL_OWNER)
     convs = [await store.create({"id": new_id(), "model": "m", "settings": {}}) for _ in range(20)]
     loop = asyncio.get_running_loop()

@@ -78,7 +78,8 @@ OWNER_PATTERN = re.compile(r"[a-z0-9_.-]{1,64}")
 SEGMENT_MESSAGES = 500
 SEAL_AFTER = 2 * SEGMENT_MESSAGES
 CHECKPOINT_GATHER_SECONDS = 0.05
-WHOLE_WRITE_THREADS = 4
+WHOLE_WRITE_THREADS = 8
+WHOLE_WRITE_BATCH = 4
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]{8,64}\.json")
 # The lists that grow at their end, each with the field that names its sealed segments.
 SEALED_LISTS = {"messages": "earlier_messages", "archive": "earlier_archive"}
@@ -272,14 +273,16 @@ class SnapshotWriter:
     second. Here a write costs a list append; a thread writes the batch, fsyncs the directory
     once for all the whole writes in it (each file is fsynced on its own), and settles the batch
     with one wake-up. While every thread is busy (an fsync takes a while) another starts, up to
-    `threads`, so a burst of turns does not queue behind one disk flush at a time. Threads leave
+    `threads`, each taking at most `batch` writes, so a burst of turns does not queue behind one
+    disk flush at a time. Threads leave
     when they have been idle a while, so an idle store holds none.
     """
 
     IDLE_SECONDS = 5.0
 
-    def __init__(self, name: str, gather: float = 0.0, threads: int = 1) -> None:
+    def __init__(self, name: str, gather: float = 0.0, threads: int = 1, batch: int = 10_000) -> None:
         self.name = name
+        self.batch = batch
         # Waking a sleeping thread is the dear part (a futex wake, a context switch, GIL hand-offs:
         # about a tenth of the loop's time at 200 streams when each write woke it), so the writes of
         # one pass of the loop, or of `gather` seconds, wake it once.
@@ -309,13 +312,17 @@ class SnapshotWriter:
     def _wake(self) -> None:
         self._waking = False
         with self._ready:
-            if not self._jobs:
-                return
-            if self._idle:
-                self._ready.notify()
-            elif self._running < self.threads:
-                self._running += 1
-                threading.Thread(target=self._run, name=self.name, daemon=True).start()
+            self._more_hands()
+
+    def _more_hands(self) -> None:
+        """With the lock held: get a thread onto the waiting jobs, a sleeping one or a new one."""
+        if not self._jobs:
+            return
+        if self._idle:
+            self._ready.notify()
+        elif self._running < self.threads:
+            self._running += 1
+            threading.Thread(target=self._run, name=self.name, daemon=True).start()
 
     def _run(self) -> None:
         while True:
@@ -327,7 +334,10 @@ class SnapshotWriter:
                 if not self._jobs:
                     self._running -= 1
                     return
-                batch, self._jobs = self._jobs, []
+                # A thread's batch is written one file after another: a few at a time, the rest to
+                # other threads, whose fsyncs the filesystem's journal commits together.
+                batch, self._jobs = self._jobs[:self.batch], self._jobs[self.batch:]
+                self._more_hands()
             outcomes: list[object] = []
             directories: set[Path] = set()
             for loop, future, path, earlier, snapshot, before_write, skip in batch:
@@ -602,7 +612,8 @@ class FileStore:
         self._turn_locks: dict[str, TurnLock] = {}
         # Nobody waits for a checkpoint: they may gather a while. A whole write is waited for.
         self._checkpoints = SnapshotWriter("checkpoint-writer", gather=CHECKPOINT_GATHER_SECONDS)
-        self._whole_writes = SnapshotWriter("conversation-writer", threads=WHOLE_WRITE_THREADS)
+        self._whole_writes = SnapshotWriter("conversation-writer", threads=WHOLE_WRITE_THREADS,
+                                            batch=WHOLE_WRITE_BATCH)
         # Conversations read with a reply from a checkpoint slot that no whole write has taken in.
         self._unabsorbed: set[str] = set()
         # The last checkpoint's sequence number per conversation. It only grows, so a slot that a
