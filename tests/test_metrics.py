@@ -166,3 +166,11 @@ def test_json_logs_are_one_object_a_line_without_secrets(tmp_path, sim):
     assert key not in server.log() and METRICS_TOKEN not in server.log()
 
 
+
+
+async def test_a_scrape_says_what_its_render_cost_the_server(client):
+    """`Server-Timing: render;dur=<ms>`: the CPU a scrape took, apart from any wait behind a busy loop (the bench reads it)."""
+    answer = await client.get("/metrics")
+    assert answer.status_code == 200
+    name, _, duration = answer.headers["server-timing"].partition(";dur=")
+    assert name == "render" and 0 <= float(duration) < 1000
