@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import datetime as dt
 import enum
@@ -105,6 +106,10 @@ class ModelNotInLineup(Exception):
     def __init__(self, model: str) -> None:
         super().__init__(model)
         self.detail = not_in_lineup(model)
+
+
+# The lineup a running turn read at its start (set in the turn's own task, so it is the turn's alone).
+_turn_lineup: contextvars.ContextVar[list[ModelInfo] | None] = contextvars.ContextVar("turn_lineup", default=None)
 
 
 def not_in_lineup(model: object) -> str:
@@ -340,20 +345,23 @@ class Turns:
             raise
         return turn
 
+    async def _lineup(self) -> list[ModelInfo]:
+        """The lineup as the running turn first read it, or as it is now outside a turn."""
+        if (known := _turn_lineup.get()) is not None:
+            return known
+        return await self.lineup() if self.lineup is not None else self.settings.lineup()
+
     async def is_reasoning(self, model: str) -> bool:
         """Whether the lineup marks this model as a reasoning model (reasoning effort is sent only to those)."""
-        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
-        return any(m.id == model and m.reasoning for m in lineup)
+        return any(m.id == model and m.reasoning for m in await self._lineup())
 
     async def in_lineup(self, model: str) -> bool:
         """Whether a turn may use this model: only the lineup's go upstream."""
-        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
-        return any(m.id == model for m in lineup)
+        return any(m.id == model for m in await self._lineup())
 
     async def sees(self, model: str) -> bool:
         """Whether this model reads images (the lineup's `vision`): only such a model is sent them."""
-        lineup = await self.lineup() if self.lineup is not None else self.settings.lineup()
-        return any(m.id == model and m.vision for m in lineup)
+        return any(m.id == model and m.vision for m in await self._lineup())
 
     async def conversation_images(self, conv_id: str) -> dict[str, dict]:
         """The conversation's images (their stored meta) by id."""
@@ -627,6 +635,8 @@ class Turns:
         user_id = turn.user_message["id"] if turn.user_message else None
         try:
             yield TurnStarted(turn.assistant_id, turn.model, user_id, turn.masked)
+            # Read once for the turn (a store read on Redis): it asks which model sees, reasons, runs tools.
+            _turn_lineup.set(await self._lineup())
             await self.costs.admit(turn.store.owner)
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
