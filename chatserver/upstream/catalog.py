@@ -76,7 +76,7 @@ class GatewayCatalog:
     async def _refresh(self) -> None:
         try:
             listing = await self._read()
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # RuntimeError: the client closed at shutdown
             log.info("the gateway's model list could not be read (%s); retrying in %gs",
                      type(exc).__name__, RETRY_AFTER)
             self._fresh_until = time.monotonic() + RETRY_AFTER
@@ -97,6 +97,7 @@ class GatewayCatalog:
         return orjson.loads(bytes(body))
 
     async def close(self) -> None:
+        self._fresh_until = float("inf")  # a turn still ending asks no more: the client is about to close
         if self._refreshing is not None and not self._refreshing.done():
             self._refreshing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
