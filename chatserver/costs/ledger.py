@@ -228,11 +228,19 @@ def _append_lines(lines: list[tuple[Path, bytes]]) -> None:
     for path, line in lines:
         by_file.setdefault(path, []).append(line)
     for path, chunks in by_file.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("ab") as f:
-            f.write(b"".join(chunks))
-            f.flush()
-            os.fsync(f.fileno())
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o600)
+        try:
+            rest = memoryview(b"".join(chunks))
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # KEYS: the month's hash, its spent counter, the owners set. ARGV: charge id, charge JSON, its cost

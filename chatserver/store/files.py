@@ -114,17 +114,29 @@ class LockLost(Exception):
     """A write came from a turn whose lock is no longer the conversation's current one."""
 
 
-def atomic_write(path: Path, data: bytes, synced_later: set[Path] | None = None) -> None:
+def atomic_write(path: Path, data: bytes, synced_later: set[Path] | None = None) -> os.stat_result:
     """Write `data` to `path` so that readers see the old or the new content, never a mix, even
     after a power cut: the data and the directory are fsynced before it returns, or the directory
-    is added to `synced_later` for the caller to fsync (once for a batch of writes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    is added to `synced_later` for the caller to fsync (once for a batch of writes). Returns the
+    new file's stat.
+
+    Plain descriptor calls, no file object: these writes run in worker threads, and each system
+    call there lets go of the GIL and takes it back, a hand-off with the event loop each time.
+    """
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            rest = memoryview(data)
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            os.fsync(fd)
+            stat = os.fstat(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -133,6 +145,7 @@ def atomic_write(path: Path, data: bytes, synced_later: set[Path] | None = None)
         synced_later.add(path.parent)
     else:
         fsync_directory(path.parent)
+    return stat
 
 
 def fsync_directory(directory: Path) -> None:
@@ -229,8 +242,7 @@ def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
     if before_write is not None:
         before_write(path, snapshot.data)
     # Segments above were synced with their directory: a crash never leaves the file naming a lost one.
-    atomic_write(path, snapshot.data, synced_later)
-    stat = path.stat()
+    stat = atomic_write(path, snapshot.data, synced_later)
     stamp = stat.st_mtime_ns, stat.st_size
     # The file now holds everything memory held, the reply's latest checkpoint included.
     for slot in _checkpoint_paths(path):
