@@ -16,6 +16,7 @@ This module knows nothing of HTTP (preset_routes.py maps its errors) or of conve
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class Presets:
     def builtin(self) -> list[Preset]:
         sidecar = _read_sidecar(self.builtin_dir / SIDECAR)
         out = []
-        for path in sorted(self.builtin_dir.glob("*.txt")):
+        for path in _builtin_files(self.builtin_dir):
             extra = sidecar.get(path.stem, {})
             out.append(Preset(path.stem, read_small_file(path).decode("utf-8").strip(),
                               self._known(extra.get("tools", [])), extra.get("model") or None, True,
@@ -195,7 +196,7 @@ class Presets:
         return name in self.tool_names or (self.accepts is not None and self.accepts(name))
 
     def _builtin_named(self, name: str) -> bool:
-        return any(p.stem.casefold() == name.casefold() for p in self.builtin_dir.glob("*.txt"))
+        return any(p.stem.casefold() == name.casefold() for p in _builtin_files(self.builtin_dir))
 
     def _valid(self, name: str, text: str, tools: Iterable[str], model: str | None,
                params: dict | None = None) -> Preset:
@@ -246,6 +247,19 @@ def _stored(preset: Preset) -> dict:
 def _params(value: object) -> dict:
     """A preset's generation parameters: the known keys that are set (the route checked their values)."""
     return {k: v for k, v in value.items() if k in sampling.KEYS and v is not None} if isinstance(value, dict) else {}
+
+
+_LISTED: dict[Path, tuple[int, list[Path]]] = {}
+
+
+def _builtin_files(directory: Path) -> list[Path]:
+    """The built-in presets' files, by name; listed again only when the directory changed (every
+    turn asks for its preset, and listing a directory is a few system calls and a glob)."""
+    stamp = os.stat(directory).st_mtime_ns
+    known = _LISTED.get(directory)
+    if known is None or known[0] != stamp:
+        known = _LISTED[directory] = (stamp, sorted(directory.glob("*.txt")))
+    return known[1]
 
 
 def _read_sidecar(path: Path) -> dict[str, dict]:
