@@ -21,6 +21,7 @@ import datetime as dt
 import enum
 import functools
 import logging
+import operator
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -213,10 +214,13 @@ class Turn:
         return self.outcome is not Outcome.PENDING
 
 
+_ATTACHMENT_IDS = operator.methodcaller("get", "attachment_ids")
+
+
 def carries_files(conv: dict) -> bool:
     """Whether a message of the prompt names files (only then can it carry images): a turn without
     any skips listing the conversation's files for them."""
-    return any(m.get("attachment_ids") for m in conv["messages"])
+    return any(map(_ATTACHMENT_IDS, conv["messages"]))  # at C speed: every turn asks, of the whole history
 
 
 def title_from(text: str, limit: int = 60) -> str:
@@ -381,6 +385,8 @@ class Turns:
     async def _image_extras(self, turn: Turn, conv: dict, found: dict[str, dict], vision: bool) -> dict[str, list[dict]]:
         """What goes before each of the person's messages that carries images: the images themselves
         (scaled) for a model that sees, else a note naming each (and its id, for `analyze_image`)."""
+        if not found:
+            return {}  # no image anywhere: nothing to walk the whole history for
         carrying = {m["id"]: [aid for aid in m.get("attachment_ids") or () if aid in found]
                     for m in conv["messages"] if m.get("role") == "user" and context.is_history(m)}
         carrying = {mid: ids for mid, ids in carrying.items() if ids}
@@ -663,7 +669,7 @@ class Turns:
                                               attachments=files, project=project,
                                               extras=await self._image_extras(turn, conv, found, vision))
                 turn.counting = count_soon(prompt)
-                turn.vision = has_images(prompt.messages)
+                turn.vision = bool(found) and has_images(prompt.messages)  # images come from `found` alone
                 try:
                     turn.requested = True
                     # A model that cannot see is offered the vision tool, when there is an image to look at.
