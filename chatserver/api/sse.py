@@ -241,7 +241,9 @@ def _stopping_signal() -> asyncio.Future:
     loop = asyncio.get_running_loop()
     if (stopping := _stopping.get(loop)) is None:
         stopping = _stopping[loop] = asyncio.Event()
-        _watchers.add(asyncio.ensure_future(_watch_exit(stopping)))
+        watcher = asyncio.ensure_future(_watch_exit(stopping))
+        _watchers.add(watcher)
+        watcher.add_done_callback(_watchers.discard)
     return asyncio.ensure_future(stopping.wait())
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from chatserver.store.files import settle
+
 log = logging.getLogger("chat.search")
 
 INDEX_VERSION = "1"
@@ -322,7 +324,7 @@ class SearchIndex:
                     return
             outcomes = self._transaction(batch)
             try:
-                loop.call_soon_threadsafe(_settle, outcomes)
+                loop.call_soon_threadsafe(settle, outcomes)
             except RuntimeError:
                 pass  # the loop has closed: nobody waits for these any more
 
@@ -519,16 +521,6 @@ def _make_private(path: Path) -> None:
         for side in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(side, 0o600)
-
-
-def _settle(outcomes: list[tuple[asyncio.Future, object]]) -> None:
-    for future, outcome in outcomes:
-        if future.done():
-            continue
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
 
 
 def _log_failure(future: asyncio.Future) -> None:

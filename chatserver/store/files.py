@@ -370,12 +370,13 @@ class SnapshotWriter:
                 settled.setdefault(loop, []).append((future, outcome))
             for loop, results in settled.items():
                 try:
-                    loop.call_soon_threadsafe(_settle, results)
+                    loop.call_soon_threadsafe(settle, results)
                 except RuntimeError:
                     pass  # that loop has closed: nobody is waiting any more
 
 
-def _settle(results: list[tuple[asyncio.Future, object]]) -> None:
+def settle(results: list[tuple[asyncio.Future, object]]) -> None:
+    """Give each future its outcome (an exception or a result), on the loop: what worker threads hand back."""
     for future, outcome in results:
         if future.done():
             continue
