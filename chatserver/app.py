@@ -53,6 +53,7 @@ from chatserver.turns.pipeline import Turns
 from chatserver.upstream.catalog import GatewayCatalog
 from chatserver.upstream.client import Gateway
 from chatserver.upstream.failures import keep_secret
+from chatserver.upstream.transport import gateway_transport
 
 if TYPE_CHECKING:
     from chatserver.store.redis import RedisStore
@@ -203,7 +204,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             await demo.start_async()
             base_url, api_key = demo.base_url, None
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=gateway_transport(limits)) as client:
             turns = Turns(active, Gateway(client, base_url, api_key), attachments)
             hub, events = None, PersonEvents()
             if shared is not None:
