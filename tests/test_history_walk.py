@@ -13,6 +13,7 @@ import pytest
 from chatserver.config import Settings
 from chatserver.conversations.document import new_id
 from chatserver.turns import context
+from chatserver.upstream.body import body_pieces
 
 
 def message(role: str, text: str, **extra) -> dict:
@@ -87,14 +88,30 @@ def test_an_edit_or_a_rewind_starts_the_walk_over(settings, walks):
     assert prompt.messages == expected(conv, settings)[0]
 
 
-def test_the_body_copies_the_walked_history_encoded_and_reads_as_the_whole_walk(settings):
-    conv = conversation(100)
+def test_the_body_sends_the_walked_runs_as_they_are_and_reads_as_the_whole_walk(settings, monkeypatch):
+    monkeypatch.setattr(context, "RUN_BYTES", 2048)  # several runs, as a long history makes
+    conv = conversation(300)
     context.build_prompt(conv, "", settings, today=context.dt.date(2026, 12, 4))
-    conv["messages"] += [message("assistant", "reply"), message("user", "question")]
-    prompt = context.build_prompt(conv, "", settings, today=context.dt.date(2026, 12, 4))
-    sent = prompt.encodable()
-    assert any(isinstance(m, orjson.Fragment) for m in sent)
-    assert orjson.loads(orjson.dumps({"messages": sent}))["messages"] == expected(conv, settings)[0]
+    for turn in range(40):  # each turn extends the last run until it is full, then starts another
+        conv["messages"] += [message("assistant", f"reply {turn} " + "word " * 30), message("user", f"question {turn}")]
+        prompt = context.build_prompt(conv, "", settings, today=context.dt.date(2026, 12, 4))
+        runs = prompt.walked.runs
+        assert all(len(run.data) < 2 * 2048 for run in runs[:-1])
+        pieces = body_pieces({"model": "m", "messages": [{"role": "system", "content": "s"}, *prompt.encodable()],
+                              "stream": True})
+        # Each run is a piece of its own, the very bytes kept with the walk: sent, not copied.
+        assert [piece for piece in pieces if any(piece is run.data for run in runs)] == [run.data for run in runs]
+        body = orjson.loads(b"".join(pieces))
+        assert body["messages"][1:] == expected(conv, settings)[0]
+        assert (body["model"], body["stream"]) == ("m", True)
+    assert len(runs) > 10
+
+
+def test_a_body_without_runs_is_one_piece_and_an_unknown_object_is_refused():
+    assert body_pieces({"messages": [{"role": "user", "content": "a\x00b"}]}) == [
+        orjson.dumps({"messages": [{"role": "user", "content": "a\x00b"}]})]
+    with pytest.raises(TypeError):
+        body_pieces({"messages": [object()]})
 
 
 def test_the_kept_walks_stay_within_their_bound_and_go_with_their_conversation(settings, monkeypatch):

@@ -42,6 +42,7 @@ import tiktoken
 from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches
 from chatserver.conversations.document import new_id, now_iso
+from chatserver.upstream.body import Encoded
 from chatserver.upstream.failures import UpstreamError, classify_finish
 
 log = logging.getLogger("chat.context")
@@ -192,10 +193,10 @@ class Walked:
 
     source: list[dict]
     wire: list[dict]
-    # `wire` encoded, one JSON fragment a message: the request body copies them instead of encoding
-    # a long history again every turn.
-    encoded: list[orjson.Fragment]
-    size: int  # bytes held: the fragments and about WIRE_MESSAGE_BYTES a message besides
+    # `wire` encoded, in runs of up to about RUN_BYTES: the request body sends them as they are
+    # instead of encoding (or copying) a long history again every turn (upstream/body.py).
+    runs: list[Encoded]
+    size: int  # bytes held: the runs and about WIRE_MESSAGE_BYTES a message besides
     counted: int = 0  # how many of `wire` `tokens` covers
     tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -215,6 +216,9 @@ class Walked:
 # first, and at once when their conversation is deleted (`forget`).
 WALKED_BYTES = 64 * 1024 * 1024
 WIRE_MESSAGE_BYTES = 300
+# A run of encoded history: a body is a handful of them (each one write to the socket), and a turn
+# that extends the last one copies no more than this.
+RUN_BYTES = 256 * 1024
 _walked: OrderedDict[str, Walked] = OrderedDict()
 _walked_size = 0
 _walked_lock = threading.Lock()
@@ -226,6 +230,25 @@ def forget(conv_id: str) -> None:
     with _walked_lock:
         if (gone := _walked.pop(conv_id, None)) is not None:
             _walked_size -= gone.size
+
+
+def _runs(runs: list[Encoded], raw: list[bytes]) -> list[Encoded]:
+    """`runs` followed by the encoded messages `raw`, grouped into runs of about RUN_BYTES (the
+    last run, while still short, takes the first of them: a turn adds a short run, not a new one)."""
+    runs = list(runs)
+    group: list[bytes] = []
+    if runs and len(runs[-1].data) < RUN_BYTES and raw:
+        group.append(runs.pop().data)
+    length = sum(map(len, group))
+    for data in raw:
+        group.append(data)
+        length += len(data)
+        if length >= RUN_BYTES:
+            runs.append(Encoded(b",".join(group)))
+            group, length = [], 0
+    if group:
+        runs.append(Encoded(b",".join(group)))
+    return runs
 
 
 def walked_history(conv_id: str, messages: list[dict]) -> tuple[list[dict], Walked | None]:
@@ -248,12 +271,11 @@ def walked_history(conv_id: str, messages: list[dict]) -> tuple[list[dict], Walk
     if keep > done:
         fresh = wire_history(messages[done:keep])
         raw = [orjson.dumps(m) for m in fresh]
-        encoded = [orjson.Fragment(b) for b in raw]
         size = sum(map(len, raw)) + WIRE_MESSAGE_BYTES * len(fresh)
         if known is None:
-            walked = Walked(messages[:keep], fresh, encoded, size)
+            walked = Walked(messages[:keep], fresh, _runs([], raw), size)
         else:
-            walked = Walked(messages[:keep], known.wire + fresh, known.encoded + encoded, known.size + size,
+            walked = Walked(messages[:keep], known.wire + fresh, _runs(known.runs, raw), known.size + size,
                             known.counted, known.tokens)
         with _walked_lock:
             if (old := _walked.pop(conv_id, None)) is not None:
@@ -283,11 +305,11 @@ class Prompt:
     walked: Walked | None = None
 
     def encodable(self) -> list:
-        """`messages` as a request body takes them: the walked history as its encoded fragments."""
+        """`messages` as a request body takes them: the walked history as its encoded runs."""
         walked = self.walked
         if walked is None or not walked.wire or self.messages[len(walked.wire) - 1] is not walked.wire[-1]:
             return self.messages  # nothing walked, or its last message was dressed (the cache marker)
-        return walked.encoded + self.messages[len(walked.wire):]
+        return walked.runs + self.messages[len(walked.wire):]
 
     def uncounted(self) -> int:
         """Characters of the messages the walk's count does not cover, which `tokens` may have to

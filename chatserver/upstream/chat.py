@@ -55,7 +55,7 @@ def build_body(model: str, system_parts: list[dict], messages: list, *,
     if plain_text:
         messages = [{**m, "content": plain(m["content"])} for m in messages]
     else:
-        # A walked history's messages come as encoded fragments (context.Prompt.encodable): sent as they are.
+        # A walked history comes as encoded runs (context.Prompt.encodable): sent as they are.
         messages = [{**m, "content": shaped(m["content"])}
                     if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
     body: dict = {

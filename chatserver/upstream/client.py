@@ -20,6 +20,7 @@ import orjson
 
 from chatserver import metrics
 from chatserver.turns.events import CallOpened, Event
+from chatserver.upstream.body import body_pieces
 from chatserver.upstream.failures import UpstreamError, classify_exception, classify_http, redact
 from chatserver.upstream.sse import SSEDecoder, SSERecord
 
@@ -101,9 +102,11 @@ class Gateway:
 
     async def _open(self, path: str, body: dict, headers: dict) -> httpx.Response:
         try:
-            # orjson: a long history makes a body of megabytes, which the stdlib encoder takes ~10x longer on.
-            request = self.client.build_request("POST", self.url(path), content=orjson.dumps(body),
-                                                headers={"content-type": "application/json", **headers})
+            # A long history makes a body of megabytes: its walked runs are sent from where they are.
+            pieces = body_pieces(body)
+            request = self.client.build_request(
+                "POST", self.url(path), content=pieces[0] if len(pieces) == 1 else _sent(pieces),
+                headers={"content-type": "application/json", "content-length": str(sum(map(len, pieces))), **headers})
             began = time.monotonic()
             response = await self.client.send(request, stream=True)
             metrics.active.gateway_seconds.observe(time.monotonic() - began)
@@ -141,6 +144,11 @@ def billing_record(headers: httpx.Headers) -> dict:
         header_cost = None
     request = headers.get("x-litellm-call-id")
     return {"generation": None, "request": request[:200] if request else None, "header_cost": header_cost}
+
+
+async def _sent(pieces: list[bytes]) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece
 
 
 async def _drain(rest: AsyncIterator) -> None:
