@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import anyio
-import httpx
+import httpx2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -190,8 +190,8 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
         attachments.sweep()
         if active.pii_masking == "on":
             await anyio.to_thread.run_sync(pii.prepare)  # its table, built now rather than on the first message
-        timeout = httpx.Timeout(active.upstream_timeout)
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        timeout = httpx2.Timeout(active.upstream_timeout)
+        limits = httpx2.Limits(max_connections=1000, max_keepalive_connections=100)
         demo = None
         if active.gateway_configured:
             base_url, api_key = active.gateway_base_url, active.gateway_api_key
@@ -204,7 +204,7 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             await demo.start_async()
             base_url, api_key = demo.base_url, None
             log.warning("no GATEWAY_BASE_URL set: replies come from the built-in demo gateway (simulated)")
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=gateway_transport(limits)) as client:
+        async with httpx2.AsyncClient(timeout=timeout, limits=limits, transport=gateway_transport(limits)) as client:
             turns = Turns(active, Gateway(client, base_url, api_key), attachments)
             hub, events = None, PersonEvents()
             if shared is not None:

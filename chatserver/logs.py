@@ -51,4 +51,5 @@ def configure(settings: Settings, worker: int | None = None) -> None:
     else:
         handler.setFormatter(TextFormatter(f"[worker {worker}] {TEXT_FORMAT}" if worker is not None else TEXT_FORMAT))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request is noise
+    for name in ("httpx", "httpx2"):  # one line per upstream (httpx2) or tool (httpx) request is noise
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-import httpx
+import httpx2
 import pytest
 from pydantic import ValidationError
 
@@ -77,7 +77,7 @@ async def test_probe_is_cached_and_shared_by_simultaneous_callers():
     counter = CountingServer()
     server = await asyncio.start_server(counter.handle, "127.0.0.1", 0)
     base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         answers = await asyncio.gather(*[gateway_reachable(base, client, ttl=60) for _ in range(5)])
         assert answers == [True] * 5 and counter.connections == 1
         assert await gateway_reachable(base, client, ttl=60) is True and counter.connections == 1
@@ -94,7 +94,7 @@ async def test_probe_gives_up_on_a_gateway_that_accepts_but_never_answers():
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    async with server, httpx.AsyncClient() as client:
+    async with server, httpx2.AsyncClient() as client:
         assert await asyncio.wait_for(gateway_reachable(base, client, timeout=0.3, ttl=0), 5) is False
 
 

@@ -3,7 +3,7 @@
 Each test runs a small asyncio server that misbehaves in one way a gateway can: stalls mid-body,
 closes an idle kept-alive connection, reads a large body slowly, speaks TLS. The client is the
 one the app builds (`gateway_transport`), and failures must reach `classify_exception` as the
-httpx exceptions it already knows.
+httpx2 exceptions it already knows.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 from chatserver.upstream.failures import classify_exception
 from chatserver.upstream.transport import AsyncioBackend, AsyncioStream, gateway_transport
 from gateway_sim.simulator import GatewaySimulator, Hold, Script, Text
 
-LIMITS = httpx.Limits(max_connections=10, max_keepalive_connections=5)
+LIMITS = httpx2.Limits(max_connections=10, max_keepalive_connections=5)
 
 
-def client(timeout: float = 5.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=timeout, transport=gateway_transport(LIMITS))
+def client(timeout: float = 5.0) -> httpx2.AsyncClient:
+    return httpx2.AsyncClient(timeout=timeout, transport=gateway_transport(LIMITS))
 
 
 def sse_head(keep_alive: bool = True) -> bytes:
@@ -71,9 +71,9 @@ async def test_a_gateway_that_stalls_mid_body_is_a_read_timeout_after_the_timeou
     release = threading.Event()
     with GatewaySimulator() as sim:
         sim.enqueue(Script([Text("first words", chunk_size=1), Hold(release, timeout=30)]))
-        async with client(timeout=httpx.Timeout(5.0, read=0.6)) as http:
+        async with client(timeout=httpx2.Timeout(5.0, read=0.6)) as http:
             began = time.monotonic()
-            with pytest.raises(httpx.ReadTimeout) as caught:
+            with pytest.raises(httpx2.ReadTimeout) as caught:
                 async with http.stream("POST", f"{sim.base_url}/v1/chat/completions",
                                        json={"model": "openai/gpt-4o-mini", "stream": True,
                                              "messages": [{"role": "user", "content": "hi"}]}) as response:
@@ -98,7 +98,7 @@ async def test_reads_that_keep_arriving_inside_the_timeout_never_time_out():
         await writer.drain()
         writer.close()
 
-    async with serving(handle) as port, client(timeout=httpx.Timeout(5.0, read=0.4)) as http:
+    async with serving(handle) as port, client(timeout=httpx2.Timeout(5.0, read=0.4)) as http:
         async with http.stream("POST", f"http://127.0.0.1:{port}/", content=b"{}") as response:
             body = b"".join([piece async for piece in response.aiter_raw()])
     assert body.count(b"data: ") == 9
@@ -119,10 +119,11 @@ async def test_an_idle_connection_the_gateway_closed_is_not_reused():
     async with serving(handle) as port, client() as http:
         first = await http.post(f"http://127.0.0.1:{port}/", content=b"{}")
         pooled = http._transport._pool.connections
-        assert len(pooled) == 1 and pooled[0].is_idle() and not pooled[0].has_expired()
+        stream = pooled[0]._connection._network_stream
+        assert len(pooled) == 1 and pooled[0].is_idle() and not stream.get_extra_info("is_readable")
         hang_up.set()
         async with asyncio.timeout(5):  # the client's side hears the FIN a moment after the server's close
-            while not pooled[0].has_expired():
+            while not stream.get_extra_info("is_readable"):
                 await asyncio.sleep(0.01)
         second = await http.post(f"http://127.0.0.1:{port}/", content=b"{}")
     assert (first.text, second.text) == ("ok", "ok")
@@ -159,7 +160,7 @@ async def test_a_gateway_that_drops_the_connection_mid_body_is_a_read_error():
         writer.transport.abort()
 
     async with serving(handle) as port, client() as http:
-        with pytest.raises(httpx.HTTPError) as caught:
+        with pytest.raises(httpx2.HTTPError) as caught:
             async with http.stream("POST", f"http://127.0.0.1:{port}/", content=b"{}") as response:
                 async for _ in response.aiter_raw():
                     pass
@@ -170,7 +171,7 @@ async def test_nothing_listening_is_a_connect_error():
     async with serving(lambda reader, writer: None) as port:
         pass  # the port is free again
     async with client() as http:
-        with pytest.raises(httpx.ConnectError) as caught:
+        with pytest.raises(httpx2.ConnectError) as caught:
             await http.post(f"http://127.0.0.1:{port}/", content=b"{}")
     assert classify_exception(caught.value).message == "Could not connect to the gateway."
 
@@ -204,7 +205,7 @@ def certificate(tmp_path_factory) -> tuple[Path, Path]:
     return cert, key
 
 
-async def answer_over_tls(http: httpx.AsyncClient, certificate) -> str:
+async def answer_over_tls(http: httpx2.AsyncClient, certificate) -> str:
     cert, key = certificate
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
@@ -229,13 +230,13 @@ async def test_a_gateway_on_https_is_read_through_tls(certificate, monkeypatch):
 async def test_a_gateway_whose_certificate_is_not_trusted_is_refused(certificate, monkeypatch):
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
     async with client() as http:
-        with pytest.raises(httpx.ConnectError) as caught:
+        with pytest.raises(httpx2.ConnectError) as caught:
             await answer_over_tls(http, certificate)
     assert "CERTIFICATE_VERIFY_FAILED" in str(caught.value)
 
 
 async def test_the_app_s_gateway_client_reads_through_this_backend(app):
-    """The server's one gateway client is the one these tests exercise, not httpx's default."""
+    """The server's one gateway client is the one these tests exercise, not httpx2's default."""
     gateway = app.state.chat.turns.gateway
     response = await gateway.client.get(gateway.url("/v1/models"))
     assert response.status_code == 200

@@ -7,7 +7,7 @@ import contextlib
 import json
 
 import anyio
-import httpx
+import httpx2
 import pytest
 
 from chatserver.config import Settings
@@ -115,7 +115,7 @@ FULL_TURN_EVENTS = [
 ]
 
 
-class Upstream(httpx.AsyncByteStream):
+class Upstream(httpx2.AsyncByteStream):
     """A response body delivered in the given pieces; remembers whether it was closed."""
 
     def __init__(self, pieces: list[bytes], then_hang: bool = False) -> None:
@@ -138,15 +138,15 @@ class Gateway:
 
     def __init__(self, *bodies: Upstream | list[bytes]) -> None:
         self.bodies = [b if isinstance(b, Upstream) else Upstream(b) for b in bodies]
-        self.requests: list[httpx.Request] = []
+        self.requests: list[httpx2.Request] = []
         self.opened: list[dict] = []  # each request's billing record (CallOpened), apart from the events
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
         self.requests.append(request)
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=self.bodies.pop(0))
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, stream=self.bodies.pop(0))
 
 
-def stream_of(client: httpx.AsyncClient, **overrides):
+def stream_of(client: httpx2.AsyncClient, **overrides):
     kwargs = {"model": "m", "system": [{"type": "text", "text": "sys"}],
               "messages": [{"role": "user", "content": "hi"}], "tools": SEARCH_TOOLS,
               "max_tokens": 100, "pause_turn_max": 3, **overrides}
@@ -156,7 +156,7 @@ def stream_of(client: httpx.AsyncClient, **overrides):
 async def collect(*bodies, **overrides) -> tuple[list, UpstreamError | None, Gateway]:
     gateway = Gateway(*bodies)
     events: list = []
-    async with httpx.AsyncClient(transport=httpx.MockTransport(gateway)) as client:
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(gateway)) as client:
         try:
             async for event in stream_of(client, **overrides):
                 if isinstance(event, CallOpened):
@@ -297,7 +297,7 @@ async def test_stopping_the_consumer_closes_the_upstream_response():
     upstream = Upstream([MESSAGE_START, block_start(0, {"type": "text", "text": ""}),
                          block_delta(0, {"type": "text_delta", "text": "Once"})], then_hang=True)
     gateway = Gateway(upstream)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(gateway)) as client:
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(gateway)) as client:
         async with contextlib.aclosing(stream_of(client)) as events:
             assert isinstance(await anext(events), CallOpened)
             assert await anext(events) == TextDelta("Once")

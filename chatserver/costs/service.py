@@ -19,7 +19,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-import httpx
+import httpx2
 
 from chatserver.config import Settings
 from chatserver.conversations.usage import replace_cost
@@ -92,7 +92,7 @@ class Costs:
         try:
             response = await self.gateway.client.get(self.gateway.url("/v1/models"), headers=self._auth(), timeout=10)
             self._published = published_prices(response.json()) if response.status_code == 200 else {}
-        except (httpx.HTTPError, ValueError, RuntimeError):
+        except (httpx2.HTTPError, ValueError, RuntimeError):
             # Unreachable now (or the client closed under a shutdown): the prices read before stay,
             # and the next hour tries again.
             pass
@@ -283,7 +283,7 @@ class Costs:
                 rows = response.json() if response.status_code == 200 else None
                 row = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
                 cost = row.get("spend")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        except (httpx2.HTTPError, ValueError, AttributeError) as exc:
             log.info("asking the gateway's bill for %s failed: %s", charge["id"], type(exc).__name__)
             return None
         if isinstance(cost, bool) or not isinstance(cost, int | float) or not math.isfinite(cost) or cost < 0:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 
-import httpx
+import httpx2
 import orjson
 
 from chatserver.upstream.chat import auth_headers
@@ -76,7 +76,7 @@ class GatewayCatalog:
     async def _refresh(self) -> None:
         try:
             listing = await self._read()
-        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # RuntimeError: the client closed at shutdown
+        except (httpx2.HTTPError, ValueError, RuntimeError) as exc:  # RuntimeError: the client closed at shutdown
             log.info("the gateway's model list could not be read (%s); retrying in %gs",
                      type(exc).__name__, RETRY_AFTER)
             self._fresh_until = time.monotonic() + RETRY_AFTER

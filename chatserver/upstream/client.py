@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import anyio
-import httpx
+import httpx2
 import orjson
 
 from chatserver import metrics
@@ -50,9 +50,9 @@ def parse_error_body(raw: bytes) -> object:
 
 
 class Gateway:
-    """One OpenAI-compatible gateway at `base_url`, reached through a shared httpx client."""
+    """One OpenAI-compatible gateway at `base_url`, reached through a shared httpx2 client."""
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, api_key: str | None) -> None:
+    def __init__(self, client: httpx2.AsyncClient, base_url: str, api_key: str | None) -> None:
         self.client = client
         self.base_url = base_url
         self.api_key = api_key
@@ -86,7 +86,7 @@ class Gateway:
         try:
             response = await self.client.post(self.url(path), content=orjson.dumps(body),
                                               headers={"content-type": "application/json", **headers})
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             raise classify_exception(exc) from exc
         if response.status_code != 200:
             raise classify_http(response.status_code, response.headers, parse_error_body(response.content))
@@ -100,7 +100,7 @@ class Gateway:
             call.update(billing_record(response.headers), generation=data["id"] if isinstance(data.get("id"), str) else None)
         return data
 
-    async def _open(self, path: str, body: dict, headers: dict) -> httpx.Response:
+    async def _open(self, path: str, body: dict, headers: dict) -> httpx2.Response:
         try:
             # A long history makes a body of megabytes: its walked runs are sent from where they are.
             pieces = body_pieces(body)
@@ -110,12 +110,12 @@ class Gateway:
             began = time.monotonic()
             response = await self.client.send(request, stream=True)
             metrics.active.gateway_seconds.observe(time.monotonic() - began)
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             raise classify_exception(exc) from exc
         if response.status_code != 200:
             try:
                 raw = await response.aread()
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 raw = b""
             finally:
                 await response.aclose()
@@ -123,17 +123,17 @@ class Gateway:
         return response
 
     @staticmethod
-    async def _records(response: httpx.Response) -> AsyncIterator[SSERecord]:
+    async def _records(response: httpx2.Response) -> AsyncIterator[SSERecord]:
         decoder = SSEDecoder()
         try:
             async for chunk in response.aiter_raw():
                 for record in decoder.feed(chunk):
                     yield record
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             raise classify_exception(exc) from exc
 
 
-def billing_record(headers: httpx.Headers) -> dict:
+def billing_record(headers: httpx2.Headers) -> dict:
     """A request's ids as the gateway gave them in its answer's head: LiteLLM's call id and, on a
     whole (non-streamed) answer, its cost; the generation id comes from the body."""
     try:

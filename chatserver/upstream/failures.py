@@ -18,7 +18,7 @@ import re
 import time
 from typing import Literal
 
-import httpx
+import httpx2
 import orjson
 
 Kind = Literal["auth", "rate_limited", "context_overflow", "refused", "model_unavailable", "upstream", "budget"]
@@ -235,7 +235,7 @@ def parse_duration(text: str) -> float | None:
     return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
 
 
-def retry_after_seconds(headers: httpx.Headers | dict, message: str = "") -> float | None:
+def retry_after_seconds(headers: httpx2.Headers | dict, message: str = "") -> float | None:
     """How long a rate limit asks us to wait, from whichever of the known places says so.
 
     In order: `retry-after-ms`, `retry-after` (seconds or an HTTP date), each also under LiteLLM's
@@ -320,7 +320,7 @@ _VALIDATION = re.compile(
 )
 
 
-def classify_http(status: int, headers: httpx.Headers | dict, body: object) -> UpstreamError:
+def classify_http(status: int, headers: httpx2.Headers | dict, body: object) -> UpstreamError:
     """An HTTP error status from either endpoint, with its parsed JSON (or raw text) body."""
     kind_field, code, message = _error_fields(body)
     text = f"{kind_field} {code} {message}"
@@ -385,12 +385,12 @@ def classify_exception(exc: BaseException) -> UpstreamError:
     """Transport faults: refused or dropped connections, timeouts, protocol errors."""
     if isinstance(exc, UpstreamError):
         return exc
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx2.TimeoutException):
         return UpstreamError("upstream", f"The gateway timed out ({type(exc).__name__}).")
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, httpx2.ConnectError):
         return UpstreamError("upstream", "Could not connect to the gateway.")
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+    if isinstance(exc, (httpx2.RemoteProtocolError, httpx2.ReadError)):
         return UpstreamError("upstream", "The gateway closed the connection mid-reply.")
-    if isinstance(exc, httpx.HTTPError):
+    if isinstance(exc, httpx2.HTTPError):
         return UpstreamError("upstream", f"Gateway transport error ({type(exc).__name__}).")
     return UpstreamError("upstream", f"Unexpected upstream failure ({type(exc).__name__}).")

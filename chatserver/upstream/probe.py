@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-import httpx
+import httpx2
 
 log = logging.getLogger("chat.gateway_probe")
 
@@ -35,7 +35,7 @@ class _Entry:
 _entries: dict[str, _Entry] = {}
 
 
-async def gateway_reachable(base_url: str | None, client: httpx.AsyncClient, *,
+async def gateway_reachable(base_url: str | None, client: httpx2.AsyncClient, *,
                             timeout: float = PROBE_TIMEOUT, ttl: float = PROBE_TTL) -> bool | None:
     """True when something answers HTTP at `base_url`, False when nothing does; None without a gateway."""
     if base_url is None:
@@ -57,9 +57,9 @@ async def gateway_reachable(base_url: str | None, client: httpx.AsyncClient, *,
         return reachable
 
 
-async def _probe(base_url: str, client: httpx.AsyncClient, timeout: float) -> bool:
+async def _probe(base_url: str, client: httpx2.AsyncClient, timeout: float) -> bool:
     try:
         async with client.stream("GET", base_url + PROBE_PATH, timeout=timeout):
             return True  # the status line arrived; the body is not needed
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return False

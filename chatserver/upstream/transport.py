@@ -1,13 +1,15 @@
-"""The gateway client's sockets: asyncio transports, read without a timer per read.
+"""The gateway client: httpx2 over asyncio transports, read without a timer per read.
 
-httpx reads a streamed body through httpcore's anyio backend, which maps exceptions, enters a
-cancel scope and starts and cancels a timer on every read. A reply is forty-odd reads and the
-server holds hundreds of replies at once, so that bookkeeping was a measurable share of a turn's
-CPU (issue 30). This backend keeps httpcore (HTTP/1.1, its pool, TLS through asyncio's
-`start_tls`) and replaces only the socket: bytes land in a protocol's buffer, a read that finds
-them returns at once, and a read that has to wait is bounded by one timer per connection, which
-is re-armed only when it fires. Timeouts and failures surface as httpcore's own exceptions, so
-httpx and `failures.classify_exception` see what they always saw.
+httpx2 is pydantic's maintained fork of httpx. Its connection pool assigns requests in one pass
+over the connections; httpx 0.28's pool (httpcore 1.0) rescanned every connection for every idle
+one, so with 200 replies streaming its bookkeeping took a tenth of the loop (issue 30). The
+socket layer is our own: httpcore2's anyio backend maps exceptions, enters a cancel scope and
+starts and cancels a timer on every read, and a reply is forty-odd reads with hundreds of replies
+at once. This backend keeps httpcore2's HTTP/1.1, pool and TLS (through asyncio's `start_tls`)
+and replaces only the socket: bytes land in a protocol's buffer, a read that finds them returns
+at once, and a read that has to wait is bounded by one timer per connection, which is re-armed
+only when it fires. Timeouts and failures surface as httpcore2's own exceptions, so httpx2 and
+`failures.classify_exception` see what they always saw.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-import httpcore
-import httpx
+import httpcore2
+import httpx2
 
 # Reading from the socket pauses while this much is buffered unread, and resumes below half of it.
 READ_BUFFER_BYTES = 256 * 1024
@@ -89,7 +91,7 @@ class _Protocol(asyncio.Protocol):
             drained.set_result(None)
 
 
-class AsyncioStream(httpcore.AsyncNetworkStream):
+class AsyncioStream(httpcore2.AsyncNetworkStream):
     def __init__(self, protocol: _Protocol) -> None:
         self._protocol = protocol
         self._deadline = 0.0
@@ -100,7 +102,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         while not protocol.chunks:
             if protocol.closed or protocol.eof:
                 if protocol.lost is not None:
-                    raise httpcore.ReadError(str(protocol.lost) or type(protocol.lost).__name__)
+                    raise httpcore2.ReadError(str(protocol.lost) or type(protocol.lost).__name__)
                 return b""
             waiter = protocol.reader = protocol.loop.create_future()
             if timeout is not None:
@@ -120,7 +122,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if waiter is None or waiter.done():
             return  # no read is waiting; the next one that waits arms the timer again
         if self._protocol.loop.time() >= self._deadline:
-            waiter.set_exception(httpcore.ReadTimeout("the gateway sent nothing within the read timeout"))
+            waiter.set_exception(httpcore2.ReadTimeout("the gateway sent nothing within the read timeout"))
         else:
             self._timer = self._protocol.loop.call_at(self._deadline, self._expire)
 
@@ -129,7 +131,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             return
         protocol = self._protocol
         if protocol.closed or protocol.transport.is_closing():
-            raise httpcore.WriteError("the connection to the gateway is closed")
+            raise httpcore2.WriteError("the connection to the gateway is closed")
         protocol.transport.write(buffer)
         while protocol.writing_paused and not protocol.closed:
             protocol.drained = protocol.loop.create_future()
@@ -137,11 +139,11 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
                 async with asyncio.timeout(timeout):
                     await protocol.drained
             except TimeoutError:
-                raise httpcore.WriteTimeout("the gateway accepted nothing within the write timeout") from None
+                raise httpcore2.WriteTimeout("the gateway accepted nothing within the write timeout") from None
             finally:
                 protocol.drained = None
         if protocol.lost is not None:
-            raise httpcore.WriteError(str(protocol.lost) or type(protocol.lost).__name__)
+            raise httpcore2.WriteError(str(protocol.lost) or type(protocol.lost).__name__)
 
     async def aclose(self) -> None:
         if self._timer is not None:
@@ -151,7 +153,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             self._protocol.transport.close()
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+                        timeout: float | None = None) -> httpcore2.AsyncNetworkStream:
         protocol = self._protocol
         try:
             async with asyncio.timeout(timeout):
@@ -159,10 +161,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
                                                           server_hostname=server_hostname)
         except TimeoutError:
             await self.aclose()
-            raise httpcore.ConnectTimeout("the TLS handshake with the gateway timed out") from None
+            raise httpcore2.ConnectTimeout("the TLS handshake with the gateway timed out") from None
         except (OSError, ssl.SSLError) as exc:
             await self.aclose()
-            raise httpcore.ConnectError(str(exc)) from exc
+            raise httpcore2.ConnectError(str(exc)) from exc
         protocol.transport = transport
         return self
 
@@ -174,16 +176,16 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         return protocol.transport.get_extra_info(names[info]) if info in names else None
 
 
-class AsyncioBackend(httpcore.AsyncNetworkBackend):
+class AsyncioBackend(httpcore2.AsyncNetworkBackend):
     async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                          socket_options: Iterable[tuple] | None = None) -> httpcore.AsyncNetworkStream:
+                          socket_options: Iterable[tuple] | None = None) -> httpcore2.AsyncNetworkStream:
         loop = asyncio.get_running_loop()
         return await self._connect(lambda: loop.create_connection(
             lambda: _Protocol(loop), host, port, local_addr=(local_address, 0) if local_address else None),
             timeout, socket_options)
 
     async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: Iterable[tuple] | None = None) -> httpcore.AsyncNetworkStream:
+                                  socket_options: Iterable[tuple] | None = None) -> httpcore2.AsyncNetworkStream:
         loop = asyncio.get_running_loop()
         return await self._connect(lambda: loop.create_unix_connection(lambda: _Protocol(loop), path),
                                    timeout, socket_options)
@@ -194,9 +196,9 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             async with asyncio.timeout(timeout):
                 transport, protocol = await connect()
         except TimeoutError:
-            raise httpcore.ConnectTimeout("connecting to the gateway timed out") from None
+            raise httpcore2.ConnectTimeout("connecting to the gateway timed out") from None
         except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
+            raise httpcore2.ConnectError(str(exc)) from exc
         for option in socket_options or ():
             transport.get_extra_info("socket").setsockopt(*option)
         return AsyncioStream(protocol)
@@ -205,11 +207,11 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
-def gateway_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
-    """httpx's transport with its connection pool on this backend (httpx takes no backend of its own)."""
-    transport = httpx.AsyncHTTPTransport(limits=limits)
-    transport._pool = httpcore.AsyncConnectionPool(
-        ssl_context=httpx.create_ssl_context(), max_connections=limits.max_connections,
+def gateway_transport(limits: httpx2.Limits) -> httpx2.AsyncHTTPTransport:
+    """httpx2's transport with its connection pool on this backend (httpx2 takes no backend of its own)."""
+    transport = httpx2.AsyncHTTPTransport(limits=limits)
+    transport._pool = httpcore2.AsyncConnectionPool(
+        ssl_context=httpx2.create_ssl_context(), max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
         network_backend=AsyncioBackend())
     return transport
