@@ -127,3 +127,28 @@ def test_the_kept_walks_stay_within_their_bound_and_go_with_their_conversation(s
     for conv in convs:
         context.forget(conv["id"])
     assert context._walked_size == 0
+
+
+def test_the_list_entry_of_a_long_conversation_counts_right_however_its_messages_change():
+    from chatserver.conversations import document
+
+    def count(messages: list[dict]) -> int:
+        return sum(m["role"] != "notice" for m in messages)
+
+    conv = {**conversation(1500), "title": "t", "model": "m", "updated_at": "u", "created_at": "c"}
+    messages = conv["messages"]
+    assert document.summary_of(conv)["message_count"] == count(messages)
+    steps = [
+        lambda: messages.append(message("assistant", "a reply")),           # a turn's reply
+        lambda: messages.append(message("notice", "Folded 3 messages.")),    # a notice at the end
+        lambda: messages.__setitem__(-1, message("user", "replaced in place")),  # a checkpoint's replacement
+        lambda: messages.__setitem__(700, message("notice", "edited in the middle")),  # a change inside the prefix
+        lambda: messages.__delitem__(slice(1000, None)),                    # a rewind
+        lambda: messages.extend(message("user", f"more {i}") for i in range(600)),
+    ]
+    for step in steps:
+        step()
+        assert document.summary_of(conv)["message_count"] == count(messages)
+    assert conv["id"] in document._counted
+    context.forget(conv["id"])  # deleted: nothing of its messages stays
+    assert conv["id"] not in document._counted

@@ -10,6 +10,7 @@ from chatserver.attachments.store import Attachments, conversation_scope, librar
 from chatserver.conversations.projects import Projects
 from chatserver.conversations.sharing import Shares
 from chatserver.store.files import Store
+from chatserver.turns import context
 
 
 async def remove_person_data(store: Store, attachments: Attachments, owner: str) -> list[str]:
@@ -20,6 +21,7 @@ async def remove_person_data(store: Store, attachments: Attachments, owner: str)
     conv_ids = [c["id"] for c in await mine.list()]
     for conv_id in conv_ids:
         await mine.delete(conv_id)
+        context.forget(conv_id)  # nor do their words stay in this process's memory
         await attachments.delete_scope(conversation_scope(conv_id))
     for project in await Projects(mine).list():
         await attachments.delete_scope(project_scope(project["id"]))

@@ -157,6 +157,34 @@ def place_checkpoint(conv: dict, message: dict) -> bool:
     return True
 
 _ROLE = operator.itemgetter("role")
+# Long conversations' counted messages: the very dicts counted (all but the last, which a
+# checkpoint replaces) and how many of them are notices. Every change of a conversation tells the
+# list its entry, twice a turn; comparing identities is several times cheaper than reading each
+# message's role again. Bounded, and dropped when the conversation is deleted (`forget_counted`).
+COUNTED_FROM = 1000
+COUNTED_KEPT = 32
+_counted: dict[str, tuple[list[dict], int]] = {}
+
+
+def _notices(conv_id: str, messages: list[dict]) -> int:
+    if len(messages) < COUNTED_FROM:
+        return list(map(_ROLE, messages)).count("notice")
+    known = _counted.pop(conv_id, None)
+    keep = len(messages) - 1
+    if known is not None and len(known[0]) <= keep and all(map(operator.is_, known[0], messages)):
+        prefix, notices = known
+        notices += list(map(_ROLE, messages[len(prefix):keep])).count("notice")
+    else:
+        notices = list(map(_ROLE, messages[:keep])).count("notice")
+    _counted[conv_id] = (messages[:keep], notices)
+    while len(_counted) > COUNTED_KEPT:
+        del _counted[next(iter(_counted))]
+    return notices + (messages[-1]["role"] == "notice")
+
+
+def forget_counted(conv_id: str) -> None:
+    """A deleted conversation's messages are not kept here."""
+    _counted.pop(conv_id, None)
 
 
 def summary_of(conv: dict) -> dict:
@@ -165,8 +193,7 @@ def summary_of(conv: dict) -> dict:
     last = next((m["created_at"] for m in reversed(messages) if m["role"] != "notice"), None)
     return {
         "id": conv["id"], "title": conv["title"], "model": conv["model"], "updated_at": conv["updated_at"],
-        # Counted at C speed: every change of a long conversation tells the list its entry.
-        "message_count": len(messages) - list(map(_ROLE, messages)).count("notice"),
+        "message_count": len(messages) - _notices(conv["id"], messages),
         "last_message_at": last or conv["created_at"],
         "pinned": bool(conv.get("pinned")), "archived": bool(conv.get("archived")),
         "project_id": conv.get("project_id"),

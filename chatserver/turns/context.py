@@ -41,7 +41,7 @@ import tiktoken
 
 from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches
-from chatserver.conversations.document import new_id, now_iso
+from chatserver.conversations.document import forget_counted, new_id, now_iso
 from chatserver.upstream.body import Encoded
 from chatserver.upstream.failures import UpstreamError, classify_finish
 
@@ -225,11 +225,13 @@ _walked_lock = threading.Lock()
 
 
 def forget(conv_id: str) -> None:
-    """Drop a conversation's walked history (it was deleted: its words do not outlive it here)."""
+    """Drop what this process keeps of a deleted conversation's messages: its walked history and
+    its counted messages (`document.summary_of`). Its words do not outlive it here."""
     global _walked_size
     with _walked_lock:
         if (gone := _walked.pop(conv_id, None)) is not None:
             _walked_size -= gone.size
+    forget_counted(conv_id)
 
 
 def _runs(runs: list[Encoded], raw: list[bytes]) -> list[Encoded]:

@@ -21,7 +21,6 @@ import datetime as dt
 import enum
 import functools
 import logging
-import operator
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -214,15 +213,6 @@ class Turn:
         return self.outcome is not Outcome.PENDING
 
 
-_ATTACHMENT_IDS = operator.methodcaller("get", "attachment_ids")
-
-
-def carries_files(conv: dict) -> bool:
-    """Whether a message of the prompt names files (only then can it carry images): a turn without
-    any skips listing the conversation's files for them."""
-    return any(map(_ATTACHMENT_IDS, conv["messages"]))  # at C speed: every turn asks, of the whole history
-
-
 def title_from(text: str, limit: int = 60) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), NEW_TITLE)
     if len(line) <= limit:
@@ -373,11 +363,15 @@ class Turns:
             return {}
         return {m["id"]: m for m in await self.attachments.list(conversation_scope(conv_id)) if is_image(m)}
 
-    async def image_tokens(self, conv: dict, model: str) -> dict[str, int]:
-        """Attachment id -> the estimated tokens of that image as `model` is sent it (none when it cannot see)."""
-        if not carries_files(conv) or not await self.sees(model):
+    async def image_tokens(self, conv: dict, model: str, found: dict[str, dict] | None = None) -> dict[str, int]:
+        """Attachment id -> the estimated tokens of that image as `model` is sent it (none when it cannot see).
+
+        From the conversation's images (`found`, when the caller listed them), never from a walk of
+        its messages: a long history would cost that walk on every turn."""
+        if not await self.sees(model):
             return {}
-        found = await self.conversation_images(conv["id"])
+        if found is None:
+            found = await self.conversation_images(conv["id"])
         edge = self.settings.image_max_edge
         return {aid: images.image_tokens(model, *images.fitted(m["width"], m["height"], edge))
                 for aid, m in found.items()}
@@ -647,7 +641,9 @@ class Turns:
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
             vision = await self.sees(turn.model)
-            seen = await self.image_tokens(conv, turn.model)
+            # Listed once for the turn; a retry below (plain text, a healed overflow) uses the same.
+            found = await self.conversation_images(turn.conv_id)
+            seen = await self.image_tokens(conv, turn.model, found)
             _, instructions = await Projects(turn.store).instructions_for(conv)
             if context.project(conv, memory, self.settings, seen, instructions) > context.budget_of(conv, self.settings):
                 await self._opened(turn)  # compression folds the stored messages, the new one included
@@ -662,7 +658,6 @@ class Turns:
                 conv = await turn.store.get(turn.conv_id)
                 turn.project_id, project = await Projects(turn.store).instructions_for(conv)
                 files = await self._attachment_listing(turn, conv)
-                found = await self.conversation_images(turn.conv_id)
                 prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
                                               today=dt.date.today(),
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
