@@ -21,6 +21,8 @@ from typing import Protocol
 
 import orjson
 
+from chatserver.store.files import write_synced
+
 SOURCES = ("reported", "reconciled", "priced", "estimated", "unreported")
 
 
@@ -235,10 +237,7 @@ def _append_lines(lines: list[tuple[Path, bytes]]) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o600)
         try:
-            rest = memoryview(b"".join(chunks))
-            while rest:
-                rest = rest[os.write(fd, rest):]
-            os.fsync(fd)
+            write_synced(fd, b"".join(chunks))
         finally:
             os.close(fd)
 

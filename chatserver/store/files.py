@@ -115,6 +115,14 @@ class LockLost(Exception):
     """A write came from a turn whose lock is no longer the conversation's current one."""
 
 
+def write_synced(fd: int, data: bytes) -> None:
+    """All of `data` to the descriptor `fd`, then fsync: a plain descriptor's writes may be partial."""
+    rest = memoryview(data)
+    while rest:
+        rest = rest[os.write(fd, rest):]
+    os.fsync(fd)
+
+
 def atomic_write(path: Path, data: bytes, synced_later: set[Path] | None = None) -> os.stat_result:
     """Write `data` to `path` so that readers see the old or the new content, never a mix, even
     after a power cut: the data and the directory are fsynced before it returns, or the directory
@@ -131,10 +139,7 @@ def atomic_write(path: Path, data: bytes, synced_later: set[Path] | None = None)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
-            rest = memoryview(data)
-            while rest:
-                rest = rest[os.write(fd, rest):]
-            os.fsync(fd)
+            write_synced(fd, data)
             stat = os.fstat(fd)
         finally:
             os.close(fd)

@@ -23,6 +23,8 @@ from typing import Any
 import httpcore2
 import httpx2
 
+# httpcore's names for what it asks of a stream, as asyncio's transports name them.
+_EXTRA_INFO = {"ssl_object": "ssl_object", "client_addr": "sockname", "server_addr": "peername", "socket": "socket"}
 # Reading from the socket pauses while this much is buffered unread, and resumes below half of it.
 READ_BUFFER_BYTES = 256 * 1024
 
@@ -172,8 +174,8 @@ class AsyncioStream(httpcore2.AsyncNetworkStream):
         protocol = self._protocol
         if info == "is_readable":  # an idle pooled connection the gateway closed, or that holds stray bytes
             return bool(protocol.chunks) or protocol.eof or protocol.closed
-        names = {"ssl_object": "ssl_object", "client_addr": "sockname", "server_addr": "peername", "socket": "socket"}
-        return protocol.transport.get_extra_info(names[info]) if info in names else None
+        name = _EXTRA_INFO.get(info)
+        return protocol.transport.get_extra_info(name) if name is not None else None
 
 
 class AsyncioBackend(httpcore2.AsyncNetworkBackend):
