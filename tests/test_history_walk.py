@@ -74,7 +74,7 @@ def test_a_turn_walks_only_what_came_since_and_sends_what_a_whole_walk_sends(set
 def test_an_edit_or_a_rewind_starts_the_walk_over(settings, walks):
     conv = conversation(50)
     context.build_prompt(conv, "", settings, today=context.dt.date(2026, 12, 4))
-    # A compression or an edit replaces stored messages with new dicts: nothing kept is reused.
+    # An edit inside what was walked (the second message, in copies of the rest) walks it all again.
     conv["messages"] = [dict(m) for m in conv["messages"][:20]] + [message("user", "again")]
     conv["messages"][1] = {**conv["messages"][1], "content": "changed"}
     walks.clear()

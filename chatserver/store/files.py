@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 import os
 import re
 import shutil
@@ -67,6 +66,7 @@ from chatserver.conversations.document import (
     now_iso,
     place_checkpoint,
     recover_interrupted,
+    starts_with,
     summary_of,
     upgrade,
     valid_id,
@@ -399,9 +399,7 @@ class Sealed:
     messages: list[dict] = field(default_factory=list)
 
     def is_prefix_of(self, messages: list[dict]) -> bool:
-        """Stored messages are never edited in place, so identity tells whether any was removed or moved."""
-        # map(operator.is_): the walk of a long history at C speed (it runs at every write).
-        return len(messages) >= len(self.messages) and all(map(operator.is_, self.messages, messages))
+        return starts_with(messages, self.messages)
 
 
 @dataclass(slots=True)

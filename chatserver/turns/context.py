@@ -29,7 +29,6 @@ import functools
 import json
 import logging
 import math
-import operator
 import re
 import threading
 from collections import OrderedDict
@@ -41,7 +40,7 @@ import tiktoken
 
 from chatserver.config import PACKAGE, Settings
 from chatserver.conversations import branches
-from chatserver.conversations.document import forget_counted, new_id, now_iso
+from chatserver.conversations.document import forget_counted, new_id, now_iso, starts_with
 from chatserver.upstream.body import Encoded
 from chatserver.upstream.failures import UpstreamError, classify_finish
 
@@ -266,7 +265,7 @@ def walked_history(conv_id: str, messages: list[dict]) -> tuple[list[dict], Walk
         if known is not None:
             _walked.move_to_end(conv_id)
     keep = max(len(messages) - 1, 0)
-    if known is not None and (len(known.source) > keep or not all(map(operator.is_, known.source, messages))):
+    if known is not None and (len(known.source) > keep or not starts_with(messages, known.source)):
         known = None
     walked = known
     done = len(known.source) if known is not None else 0
