@@ -104,7 +104,7 @@ CHECKPOINTS_ON = "ckpton"
 # The 400-stream p99 moves by ±10 ms from one run to the next on this machine, as much as checkpoints
 # cost; so the twins each run this many times, alternating, and their medians are compared.
 CHECKPOINT_ROUNDS = 5
-HISTORY_TURNS = 5
+HISTORY_TURNS = 9  # per size, taken in rounds (phase_history)
 PROFILE_TURNS = 5
 
 HISTORY_TARGET_MS = 50.0  # over this, the longest conversation's turns are profiled
@@ -941,8 +941,13 @@ def timed_turns(gw: Gateway, server: Service, conv_id: str, tags: Tags, work: Pa
 
 def phase_history(gw: Gateway, server: Service, data_dir: Path, template: dict, tags: Tags, work: Path,
                   log) -> dict:
-    """Per-turn server time for conversations of each size in HISTORY_SIZES (medians of a few turns)."""
-    out = {}
+    """Per-turn server time for conversations of each size in HISTORY_SIZES (medians of a few turns).
+
+    The sizes take turns, one turn each per round: the host's drift over the phase (other work,
+    the disk's background flushing) then falls on every size alike instead of on whichever ran
+    last, and the difference between sizes is what the phase reports.
+    """
+    convs = {}
     for n in HISTORY_SIZES:
         conv_id, size_mb = write_history(data_dir, template, n)
         # The page opens a conversation before its first turn; that read (and parse) is not the turn's.
@@ -951,12 +956,18 @@ def phase_history(gw: Gateway, server: Service, data_dir: Path, template: dict, 
         # untimed turn has it indexed, and a search waits for the index's queued writes.
         timed_turns(gw, server, conv_id, tags, work, 1)
         httpx.get(f"{server.url}/api/search", params={"q": "bench"}, timeout=120).raise_for_status()
-        turns = timed_turns(gw, server, conv_id, tags, work, HISTORY_TURNS)
-        good = [t for t in turns if t["ok"]]
-        out[n] = {"id": conv_id, "file_mb": size_mb, "turns": len(turns), "ok": len(good),
+        convs[n] = (conv_id, size_mb)
+    turns: dict[int, list[dict]] = {n: [] for n in HISTORY_SIZES}
+    for _ in range(HISTORY_TURNS):
+        for n in HISTORY_SIZES:
+            turns[n] += timed_turns(gw, server, convs[n][0], tags, work, 1)
+    out = {}
+    for n in HISTORY_SIZES:
+        (conv_id, size_mb), good = convs[n], [t for t in turns[n] if t["ok"]]
+        out[n] = {"id": conv_id, "file_mb": size_mb, "turns": len(turns[n]), "ok": len(good),
                   **{k: pct([t[k] for t in good], 50) for k in ("server", "wall", "ttfb", "before_upstream",
                                                                  "after_upstream")}}
-        log(f"  {n:>6d} messages ({size_mb:.1f} MB): {len(good)}/{len(turns)} turns, server p50 "
+        log(f"  {n:>6d} messages ({size_mb:.1f} MB): {len(good)}/{len(turns[n])} turns, server p50 "
             f"{ms(out[n]['server'])} ms (before upstream {ms(out[n]['before_upstream'])}, after "
             f"{ms(out[n]['after_upstream'])}), wall {ms(out[n]['wall'])} ms, ttfb {ms(out[n]['ttfb'])} ms")
     return out
@@ -1295,7 +1306,8 @@ def write_markdown(results: dict, labels: dict[str, str], overhead: dict, sustai
             "", "## Per-turn cost with long histories", "",
             "Conversation files written straight into DATA_DIR (person ~300 characters, reply ~1,200, measured usage "
             "on every reply, budget raised so nothing is compressed), opened once with GET as the page does, then "
-            f"{HISTORY_TURNS} sequential turns with a {HISTORY_REPLY['words']}-chunk reply. Server time = the turn's "
+            f"{HISTORY_TURNS} turns each with a {HISTORY_REPLY['words']}-chunk reply, the sizes taking turns (one turn "
+            "of each size per round, so the host's drift falls on every size alike). Server time = the turn's "
             "wall time (POST to `done`) minus the span the simulator spent on the request (its `started_at` to "
             "`finished_at`), so the simulator's own handling of a large prompt is not counted; before/after upstream "
             "split it at those two instants. Medians over the turns.",
