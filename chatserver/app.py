@@ -219,7 +219,6 @@ def create_app(settings: Settings | None = None, *, worker: int = 1) -> FastAPI:
             # With passwords, Accounts makes its argon2 dummy hash (a while, 64 MiB) off the event loop.
             app.state.accounts = await asyncio.to_thread(Accounts, active, account_store) \
                 if active.auth == "password" else Accounts(active, account_store)
-            turns.tool_runtime = app.state.chat.tool_runtime
             turns.lineup = app.state.chat.lineup
             # Charges live beside the conversations: on Redis every server reads and reconciles them.
             turns.costs.ledger = RedisLedger(shared.redis, shared.prefix, shared.reachable) if shared is not None \

@@ -115,6 +115,61 @@ async def test_compression_fires_exactly_when_the_projection_crosses_the_budget(
     assert summarizer_calls(sim)[0]["max_tokens"] == Settings(_env_file=None).summary_max_tokens
 
 
+async def test_a_turn_reads_each_stored_input_once_and_again_only_after_compressing(app, api, sim, conv, monkeypatch):
+    """On Redis every read is a round trip before the first token: the turn reads the conversation,
+    memory, the model lineup and the files' listing once; a compression (which folds the messages
+    and may add facts) is followed by one more read of the conversation and memory, not of the rest."""
+    from chatserver.attachments.store import Attachments
+    from chatserver.store.files import FileOwnerStore, FileStore
+    from chatserver.turns.pipeline import Turns
+
+    reads: dict[str, int] = {}
+    in_turn = [False]
+
+    def counted(cls, name: str) -> None:
+        original = getattr(cls, name)
+
+        async def counting(*args, **kwargs):
+            if in_turn[0]:
+                reads[name] = reads.get(name, 0) + 1
+            return await original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counting)
+
+    for cls, name in ((FileOwnerStore, "get"), (FileOwnerStore, "read_memory"), (FileStore, "read_custom_models"),
+                      (Attachments, "list"), (Attachments, "list_many")):
+        counted(cls, name)
+    run = Turns.run
+
+    async def counted_run(self, turn):
+        in_turn[0] = True  # from the turn's first event: the route's own checks are not the turn's
+        try:
+            async for event in run(self, turn):
+                yield event
+        finally:
+            in_turn[0] = False
+
+    monkeypatch.setattr(Turns, "run", counted_run)
+    cid = conv["id"]
+    await talk(api, sim, cid, 3)
+    reads.clear()
+
+    await talk(api, sim, cid, 1, start=4)
+
+    assert reads == {"get": 1, "read_memory": 1, "read_custom_models": 1, "list_many": 1}
+
+    await api.patch(cid, settings={"context_budget": 1500})  # over it: the next turn folds first
+    sim.enqueue(summary("They talked about things."))
+    reads.clear()
+
+    await talk(api, sim, cid, 1, start=5)
+
+    assert summarizer_calls(sim), "the turn compressed"
+    # compress() reads the conversation twice, memory and the images once itself; the turn reads the
+    # conversation and memory once more after it.
+    assert reads == {"get": 1 + 2 + 1, "read_memory": 1 + 1 + 1, "read_custom_models": 1, "list_many": 1, "list": 1}
+
+
 async def test_next_request_carries_the_summary_and_only_the_recent_window(api, sim, conv):
     cid = conv["id"]
     await talk(api, sim, cid, 3)

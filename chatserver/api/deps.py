@@ -59,13 +59,6 @@ class State:
         ]
         return builtin + custom
 
-    async def tool_runtime(self, model_id: str) -> str:
-        """Where this model's tools run: its lineup entry's, else the configured default."""
-        for model in await self.lineup():
-            if model.id == model_id:
-                return model.tool_runtime
-        return self.settings.runtime_for(model_id)
-
 
 async def get_state(request: Request) -> State:
     # async: FastAPI runs a plain-def dependency in its thread pool, a hop that cost every request ~1 ms.

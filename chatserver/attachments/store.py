@@ -818,12 +818,14 @@ def _listed_as(meta: dict) -> str:
     return f"{_pages_word(meta)}, id {meta['id']}" if is_image(meta) else _pages_word(meta)
 
 
-async def attachment_listing(scope: AttachmentScope | None) -> str:
-    """The prompt block naming the files the tools can see (never their text); "" when there are none."""
+async def attachment_listing(scope: AttachmentScope | None, listed: dict[str, list[dict]] | None = None) -> str:
+    """The prompt block naming the files the tools can see (never their text); "" when there are none.
+    `listed`: the scopes' attachments as the caller already read them (`list_many`)."""
     if scope is None:
         return ""
     blocks = []
-    listed = await scope.attachments.list_many(scope.scopes)
+    if listed is None:
+        listed = await scope.attachments.list_many(scope.scopes)
     for s in scope.scopes:
         metas = listed[s.key]
         if not metas:

@@ -246,13 +246,10 @@ def web_tool_instructions(conv_settings: dict, settings: Settings) -> str | None
 class Turns:
     """Runs turns against one gateway."""
 
-    def __init__(self, settings: Settings, gateway: Gateway, attachments: Attachments | None = None,
-                 tool_runtime: Callable[[str], Awaitable[str]] | None = None) -> None:
+    def __init__(self, settings: Settings, gateway: Gateway, attachments: Attachments | None = None) -> None:
         self.settings = settings
         self.gateway = gateway
         self.attachments = attachments
-        # Where a model's tools run (the lineup's `tool_runtime`, custom models included).
-        self.tool_runtime = tool_runtime
         # The whole lineup, custom models included; unset, only the built-in models are usable.
         self.lineup: Callable[[], Awaitable[list[ModelInfo]]] | None = None
         # Models that must get plain-text content: configured, or learned from a refusal of the layout.
@@ -641,13 +638,19 @@ class Turns:
             conv = await turn.store.get(turn.conv_id)
             memory = await turn.store.read_memory()
             vision = await self.sees(turn.model)
-            # Listed once for the turn; a retry below (plain text, a healed overflow) uses the same.
-            found = await self.conversation_images(turn.conv_id)
+            turn.project_id, project = await Projects(turn.store).instructions_for(conv)
+            # The files the tools see, listed in one read for the turn: its images come from the
+            # conversation's, and a retry below (plain text, a healed overflow) uses the same.
+            listed = await self._listed_files(turn, conv)
+            found = {m["id"]: m for m in listed.get(conversation_scope(turn.conv_id).key, ()) if is_image(m)}
             seen = await self.image_tokens(conv, turn.model, found)
-            _, instructions = await Projects(turn.store).instructions_for(conv)
-            if context.project(conv, memory, self.settings, seen, instructions) > context.budget_of(conv, self.settings):
+            # Read again only after a compression, which folds the stored messages and may add facts
+            # to memory: on Redis each read is a round trip before the first token.
+            compressed = False
+            if context.project(conv, memory, self.settings, seen, project) > context.budget_of(conv, self.settings):
                 await self._opened(turn)  # compression folds the stored messages, the new one included
                 outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
+                compressed = True
                 if outcome["folded"] or outcome["dropped"]:
                     yield Compressed(outcome)
                 else:
@@ -655,10 +658,13 @@ class Turns:
                                      "but nothing is old enough to fold: the most recent messages are kept verbatim.")
             healed = False
             while True:
-                conv = await turn.store.get(turn.conv_id)
-                turn.project_id, project = await Projects(turn.store).instructions_for(conv)
-                files = await self._attachment_listing(turn, conv)
-                prompt = context.build_prompt(conv, await turn.store.read_memory(), self.settings,
+                if compressed:
+                    conv = await turn.store.get(turn.conv_id)
+                    memory = await turn.store.read_memory()
+                    turn.project_id, project = await Projects(turn.store).instructions_for(conv)
+                    compressed = False
+                files = await self._attachment_listing(turn, conv, listed)
+                prompt = context.build_prompt(conv, memory, self.settings,
                                               today=dt.date.today(),
                                               tool_instructions=web_tool_instructions(conv["settings"], self.settings),
                                               attachments=files, project=project,
@@ -694,6 +700,7 @@ class Turns:
                     outcome = await self.compress(turn.store, turn.conv_id, pending=True, lock=turn.lock)
                     if not (outcome["folded"] or outcome["dropped"]):
                         raise
+                    compressed = True
                     yield Compressed(outcome)
             if reply.finish_reason in ("length", "max_tokens"):
                 yield self._warn(reply, "max_tokens", "The reply stopped at the output limit (MAX_COMPLETION_TOKENS).")
@@ -785,13 +792,20 @@ class Turns:
         return attachment_context(self.attachments, turn.conv_id, turn.store.owner,
                                   library=bool(conv["settings"].get("library")), project_id=turn.project_id)
 
-    async def _attachment_listing(self, turn: Turn, conv: dict) -> str:
+    async def _listed_files(self, turn: Turn, conv: dict) -> dict[str, list[dict]]:
+        """The attachments of every scope the tools see, by scope key."""
         with self._attachment_scope(turn, conv) as scope:
-            return await attachment_listing(scope)
+            return {} if scope is None else await scope.attachments.list_many(scope.scopes)
+
+    async def _attachment_listing(self, turn: Turn, conv: dict, listed: dict[str, list[dict]]) -> str:
+        with self._attachment_scope(turn, conv) as scope:
+            return await attachment_listing(scope, listed)
 
     async def _selection(self, turn: Turn, conv: dict, has_files: bool, looks: bool = False) -> tools.Selection:
         """The tools this turn offers: the model's runtime, the preset's whitelist, the conversation's choice."""
-        runtime = await self.tool_runtime(turn.model) if self.tool_runtime else self.settings.runtime_for(turn.model)
+        # Where the model's tools run: its lineup entry's (custom models included), read once for the turn.
+        runtime = next((m.tool_runtime for m in await self._lineup() if m.id == turn.model),
+                       self.settings.runtime_for(turn.model))
         web = web_tools_enabled(conv["settings"], self.settings)
         preset_name = conv["settings"].get("preset") or "default"
         try:
