@@ -9,6 +9,8 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import orjson
@@ -16,7 +18,7 @@ import pytest
 
 from chatserver.config import Settings
 from chatserver.conversations.document import new_id, now_iso
-from chatserver.store.files import FileStore, checkpoints_beside
+from chatserver.store.files import Checkpoint, FileStore, checkpoints_beside
 from chatserver.store.redis import RedisStore
 from chatserver.turns.pipeline import Turns
 from gateway_sim.simulator import Script, steps
@@ -218,6 +220,16 @@ def test_delete_mid_stream_closes_the_upstream_socket(live_server, sim, tmp_path
     assert not (tmp_path / "data" / "conversations" / f"{conv_id}.json").exists()
 
 
+def checkpoint_when(conv_file: Path, ready: Callable[[Checkpoint], object], what: str) -> Checkpoint:
+    """The newest whole checkpoint beside `conv_file` (the reply alone, where a crash cannot take
+    it back) once it is `ready`; polled, within a bound."""
+    deadline = time.monotonic() + 10
+    while not (found := checkpoints_beside(conv_file)) or not ready(found[0]):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)  # polling the file, bounded by the deadline
+    return found[0]
+
+
 def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint(tmp_path, sim):
     data_dir = tmp_path / "data"
     env = {"GATEWAY_BASE_URL": sim.base_url, "CHECKPOINT_SECONDS": "0.2"}
@@ -230,12 +242,8 @@ def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint
         post.wait_for(lambda events: len(text_of(events)) > len("piece0 piece1 "))
         # The checkpoint is on disk (the reply alone, beside the conversation file), where a crash
         # cannot take it back.
-        conv_file = data_dir / "conversations" / f"{conv_id}.json"
-        deadline = time.monotonic() + 10
-        while not (found := checkpoints_beside(conv_file)) or not found[0][1]["content"]:
-            assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.02)  # polling the file, bounded by the deadline
-        stored = found[0][1]
+        stored = checkpoint_when(data_dir / "conversations" / f"{conv_id}.json",
+                                 lambda c: c.message["content"], "no checkpoint was written").message
         assert stored["role"] == "assistant" and stored["status"] == "streaming"
         checkpointed = stored["content"]
         server.process.kill()
@@ -263,6 +271,52 @@ def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint
         conv = httpx.get(f"{again.base_url}/api/conversations/{conv_id}").json()
         assert [(m["role"], m.get("status")) for m in conv["messages"]] == [
             ("user", None), ("assistant", "interrupted"), ("user", None), ("assistant", "complete")]
+    finally:
+        again.stop()
+
+
+def test_a_comparison_cut_by_sigkill_leaves_every_reply_interrupted_after_restart(tmp_path, sim):
+    """Each compared reply is checkpointed where it will be saved: the first model's on the path,
+    the other's off it as its sibling. A crash leaves both, as far as each had come."""
+    data_dir = tmp_path / "data"
+    env = {"GATEWAY_BASE_URL": sim.base_url, "CHECKPOINT_SECONDS": "0.2"}
+    models = ["openai/gpt-5-mini", "openai/gpt-5"]
+    server = LiveServer(data_dir, env)
+    try:
+        for model in models:
+            sim.enqueue_for(model, slow_reply(pause=0.1))
+        conv_id = start_conversation(server.base_url)
+        url = f"{server.base_url}/api/conversations/{conv_id}"
+        post = Reader("POST", f"{url}/compare", json={"content": "tell me a long story", "models": models})
+        post.wait_for(lambda events: len({data.get("assistant_message_id") for _, name, data in events
+                                           if name == "delta"}) == 2)
+        checkpoint = checkpoint_when(data_dir / "conversations" / f"{conv_id}.json",
+                                     lambda c: c.message is not None and c.off_path, "no checkpoint holds both replies")
+        first, [other] = checkpoint.message, checkpoint.off_path
+        assert (first["model"], other["model"]) == tuple(models)
+        assert {first["status"], other["status"]} == {"streaming"} and first["content"] and other["content"]
+        server.process.kill()
+        server.process.wait(10)
+    finally:
+        server.stop()
+    post.join()
+
+    again = LiveServer(data_dir, env)
+    try:
+        conv = httpx.get(f"{again.base_url}/api/conversations/{conv_id}").json()
+        assert conv["streaming"] is False and conv["turn"] is None
+        user, reply = conv["messages"]
+        assert (reply["id"], reply["status"], reply["model"]) == (first["id"], "interrupted", models[0])
+        assert reply["content"].startswith(first["content"]) and WHOLE.startswith(reply["content"])
+        assert conv["branches"][reply["id"]] == [first["id"], other["id"]]
+        assert conv["totals"]["turns"] == 2  # as the two saved replies would have counted
+        # The other reply is there, one switch away, interrupted where the crash cut it.
+        switched = httpx.post(f"{url.replace(server.base_url, again.base_url)}/branch",
+                              json={"message_id": other["id"]}).json()
+        sibling = switched["messages"][-1]
+        assert (sibling["id"], sibling["status"], sibling["model"]) == (other["id"], "interrupted", models[1])
+        assert sibling["content"].startswith(other["content"]) and WHOLE.startswith(sibling["content"])
+        assert sibling["usage"]["estimated"] is True and sibling["usage"]["output_tokens"] > 0
     finally:
         again.stop()
 
@@ -442,4 +496,37 @@ async def test_a_new_turn_settles_a_reply_a_dead_process_left_streaming_on_a_sha
     assert [(m["role"], m.get("status")) for m in conv["messages"]] == [
         ("user", None), ("assistant", "interrupted"), ("user", None)]
     assert conv["totals"]["turns"] == 1 and conv["messages"][1]["usage"]["estimated"] is True
+    await store.close()
+
+
+async def test_a_comparisons_checkpoints_on_a_shared_store_read_as_interrupted_once_nobody_holds_the_lock(redis_server):
+    """On Redis too each compared reply is checkpointed where it will be saved, replaced in place as
+    it grows, and read as interrupted, on the path and off it, once its turn's lock is gone."""
+    store = RedisStore(redis_server.url, prefix=unique_prefix())
+    mine = store.for_owner("local")
+    user = {"id": new_id(), "role": "user", "content": "hi", "created_at": now_iso()}
+    conv = await mine.create({"id": new_id(), "title": "t", "model": "m", "created_at": now_iso(),
+                              "updated_at": now_iso(), "settings": {}, "messages": [user]})
+    usage = {"input_tokens": 12, "output_tokens": 3, "cached_tokens": 0, "cache_write_tokens": 0,
+             "cost": None, "searches": 0, "fetches": 0, "estimated": True}
+    first, other = ({"id": new_id(), "role": "assistant", "content": "Half", "created_at": now_iso(), "model": model,
+                     "parent_id": user["id"], "status": "streaming", "activity": [], "citations": [], "usage": usage}
+                    for model in ("a", "b"))
+    lock = await mine.lock_turn(conv["id"])
+    await mine.checkpoint(conv["id"], first, off_path=[other], lock=lock)
+    await mine.checkpoint(conv["id"], {**first, "content": "Half a reply"},
+                          off_path=[{**other, "content": "Half another"}], lock=lock)
+    held = await mine.get(conv["id"])
+    assert [(m["id"], m["status"]) for m in held["messages"][1:] + held["off_path"]] == [
+        (first["id"], "streaming"), (other["id"], "streaming")]
+    await mine.unlock_turn(lock)  # as its process dying leaves it: nobody holds the conversation
+
+    conv = await RedisStore(redis_server.url, prefix=store.prefix).for_owner("local").get(conv["id"])
+    assert [(m["id"], m["status"], m["content"]) for m in conv["messages"][1:]] == [
+        (first["id"], "interrupted", "Half a reply")]
+    assert [(m["id"], m["status"], m["content"]) for m in conv["off_path"]] == [
+        (other["id"], "interrupted", "Half another")]
+    assert conv["totals"]["turns"] == 2
+    # Recovered in the copy answered: what this process caches of Redis is left as Redis holds it.
+    assert (await store.load(conv["id"], "local"))["off_path"][0]["status"] == "streaming"
     await store.close()

@@ -11,8 +11,10 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
+import orjson
 import pytest
 
 from chatserver.conversations.document import LOCAL_OWNER, SCHEMA_VERSION, new_id, valid_id
@@ -72,7 +74,7 @@ async def test_a_process_killed_mid_write_never_leaves_torn_json(tmp_path, check
         if checkpoints:
             # A whole checkpoint is left (a cut one spoils only the slot it was writing), and a fresh
             # process reads the reply up to the last one acknowledged.
-            reply = checkpoints_beside(path)[0][1]
+            reply = checkpoints_beside(path)[0].message
             assert len(reply["content"]) >= acknowledged[-1] * 20000
             replies = (await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv_id))["messages"]
             assert len(replies) == round_ + 1, "an earlier round's reply was lost"
@@ -390,6 +392,33 @@ async def test_a_checkpoint_write_skips_fsync_and_every_other_write_keeps_it(tmp
     await store.update(conv["id"], lambda c: c.update(title="saved"))
     assert len(synced) == 2  # the file and its directory
     assert (await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv["id"]))["title"] == "saved"
+
+
+async def test_a_checkpoint_slot_holds_every_compared_reply_and_one_written_before_comparisons_still_reads(tmp_path):
+    files = FileStore(tmp_path)
+    store = files.for_owner(LOCAL_OWNER)
+    conv = await store.create({"id": new_id(), "model": "m", "settings": {}, "messages": [message(0)]})
+    path = files.conversations_dir / f"{conv['id']}.json"
+    lock = await store.lock_turn(conv["id"])
+    sibling = {**streaming("the other so far"), "id": "other"}
+    await store.checkpoint(conv["id"], None, off_path=[sibling], lock=lock)  # the first has no output yet
+    await store.checkpoint(conv["id"], streaming("first so far"), off_path=[sibling], lock=lock)
+
+    [newest, older] = checkpoints_beside(path)
+    assert (newest.message, newest.off_path) == (streaming("first so far"), [sibling])
+    assert (older.message, older.off_path) == (None, [sibling])
+    read = await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv["id"])  # a fresh process, after a crash
+    assert [(m["id"], m["status"], m["content"]) for m in read["messages"][1:] + read["off_path"]] == [
+        ("reply", "interrupted", "first so far"), ("other", "interrupted", "the other so far")]
+
+    # A slot written by the version before (one reply, alone) is still taken in after an upgrade.
+    await store.unlock_turn(lock)
+    await store.update(conv["id"], lambda c: c.update(messages=[message(0)], off_path=[]))
+    old = orjson.dumps(streaming("before the upgrade"))
+    (files.conversations_dir / f"{conv['id']}.checkpoint-b").write_bytes(
+        b"checkpoint 7 %d %08x\n" % (len(old), zlib.crc32(old)) + old)
+    read = await FileStore(tmp_path).for_owner(LOCAL_OWNER).get(conv["id"])
+    assert [(m["status"], m["content"]) for m in read["messages"][1:]] == [("interrupted", "before the upgrade")]
 
 
 async def test_checkpoints_of_many_conversations_are_written_by_one_thread_and_land_whole(tmp_path):

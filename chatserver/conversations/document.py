@@ -137,12 +137,7 @@ def recover_interrupted(conv: dict) -> bool:
     """
     found = False
     totals = conv["totals"]
-    # A reply always follows the question it answers: only what comes after the last one is looked at.
-    for message in reversed(conv["messages"]):
-        if message.get("role") == "user":
-            break
-        if message.get("role") != "assistant" or message.get("status") != "streaming":
-            continue
+    for message in streaming_replies(conv):
         found = True
         message["status"] = "interrupted"
         usage = message.get("usage")
@@ -154,10 +149,25 @@ def recover_interrupted(conv: dict) -> bool:
     return found
 
 
-def place_checkpoint(conv: dict, message: dict) -> bool:
+def streaming_replies(conv: dict) -> list[dict]:
+    """The replies stored `streaming` (checkpoints): after the last question on the path, and off
+    it, where a comparison's other replies are its siblings."""
+    found = []
+    # A reply always follows the question it answers: only what comes after the last one is looked at.
+    for message in reversed(conv.get("messages") or []):
+        if message.get("role") == "user":
+            break
+        if message.get("role") == "assistant" and message.get("status") == "streaming":
+            found.append(message)
+    found += [m for m in conv.get("off_path") or () if m.get("status") == "streaming" and m.get("role") == "assistant"]
+    return found
+
+
+def place_checkpoint(conv: dict, message: dict, *, off_path: bool = False) -> bool:
     """Put a streaming reply's latest state in `conv`: it replaces the copy with its id while that
-    is still `streaming`, or comes last; a settled reply is never touched. True if `conv` changed."""
-    messages = conv["messages"]
+    is still `streaming`, or comes last (on the path, or `off_path` for a comparison's other
+    replies); a settled reply is never touched. True if `conv` changed."""
+    messages = conv.setdefault("off_path", []) if off_path else conv["messages"]
     for i in range(len(messages) - 1, -1, -1):
         if messages[i].get("id") == message["id"]:
             if messages[i].get("status") != "streaming":

@@ -25,9 +25,9 @@ process. Every conversation belongs to an owner; an owner's view answers NotFoun
 owner's id exactly as for an unknown one. Turn locks live here too, so that "a turn is running on
 this conversation" is a fact of the store, not of one process's memory.
 
-A streaming reply's checkpoints go beside the conversation file: the reply alone, written every
-second or so without fsync, so a checkpoint costs the size of the reply, never of the
-conversation. They are written in place, by turns into two slots (`<id>.checkpoint` and
+A streaming reply's checkpoints go beside the conversation file: the reply alone (a comparison's
+replies together), written every second or so without fsync, so a checkpoint costs the size of
+the reply, never of the conversation. They are written in place, by turns into two slots (`<id>.checkpoint` and
 `<id>.checkpoint-b`), each framed with its sequence number, length and CRC: a write cut by a
 crash spoils only the slot it was writing, and the other still holds the checkpoint before it.
 Reading a conversation takes the newest whole checkpoint in; the next whole write takes it into
@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Protocol, Sequence
 
 import anyio
 import orjson
@@ -190,10 +190,27 @@ def _checkpoint_frame(seq: int, data: bytes) -> bytes:
     return b"checkpoint %d %d %08x\n" % (seq, len(data), zlib.crc32(data))
 
 
-def _checkpoint_in(raw: bytes) -> tuple[int, dict] | None:
-    """A checkpoint slot's sequence number and reply, or None when it holds no whole one (a torn or
-    damaged slot is advisory: never fatal). Bytes past the framed length are an older, longer
-    checkpoint's leftovers."""
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """What one checkpoint slot holds: the replies streaming when it was written."""
+
+    seq: int
+    message: dict | None  # the reply on the path (None: a comparison whose first reply has no output yet)
+    off_path: list[dict]  # a comparison's other replies, stored off the path as its siblings
+
+    def data(self) -> bytes:
+        return _dumps({"message": self.message, "off_path": self.off_path})
+
+
+def _streaming_reply(value: object) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("id"), str) and value.get("role") == "assistant"
+            and value.get("status") == "streaming" and isinstance(value.get("content"), str))
+
+
+def _checkpoint_in(raw: bytes) -> Checkpoint | None:
+    """A checkpoint slot's replies, or None when it holds no whole checkpoint (a torn or damaged
+    slot is advisory: never fatal). Bytes past the framed length are an older, longer
+    checkpoint's leftovers. A slot written before comparisons kept checkpoints holds one reply."""
     frame = CHECKPOINT_FRAME.match(raw)
     if frame is None:
         return None
@@ -202,18 +219,22 @@ def _checkpoint_in(raw: bytes) -> tuple[int, dict] | None:
     if len(data) != length or f"{zlib.crc32(data):08x}".encode() != frame[3]:
         return None
     try:
-        message = orjson.loads(data)
+        held = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    if (isinstance(message, dict) and isinstance(message.get("id"), str) and message.get("role") == "assistant"
-            and message.get("status") == "streaming" and isinstance(message.get("content"), str)):
-        return int(frame[1]), message
+    if _streaming_reply(held):
+        return Checkpoint(int(frame[1]), held, [])
+    if not isinstance(held, dict) or not isinstance(held.get("off_path"), list):
+        return None
+    message, off_path = held.get("message"), held["off_path"]
+    if (message is None or _streaming_reply(message)) and all(map(_streaming_reply, off_path)) \
+            and (message is not None or off_path):
+        return Checkpoint(int(frame[1]), message, off_path)
     return None
 
 
-def checkpoints_beside(path: Path) -> list[tuple[int, dict]]:
-    """The whole checkpoints kept beside the conversation file `path` (sequence number and
-    reply), newest first."""
+def checkpoints_beside(path: Path) -> list[Checkpoint]:
+    """The whole checkpoints kept beside the conversation file `path`, newest first."""
     found = []
     for slot in _checkpoint_paths(path):
         try:
@@ -227,7 +248,15 @@ def checkpoints_beside(path: Path) -> list[tuple[int, dict]]:
             log.warning("ignoring a damaged or torn checkpoint %s", slot.name)
             continue
         found.append(checkpoint)
-    return sorted(found, key=lambda c: c[0], reverse=True)
+    return sorted(found, key=lambda c: c.seq, reverse=True)
+
+
+def place_replies(conv: dict, message: dict | None, off_path: Iterable[dict]) -> bool:
+    """`place_checkpoint` of each streaming reply; True if any changed `conv`."""
+    placed = message is not None and place_checkpoint(conv, message)
+    for reply in off_path:
+        placed = place_checkpoint(conv, reply, off_path=True) or placed
+    return placed
 
 
 def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
@@ -450,9 +479,11 @@ class OwnerStore(Protocol):
                           lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:
         """`update` that answers once the change is visible to every reader, with its write still running."""
 
-    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
-        """Store a streaming reply as it is so far (`place_checkpoint`); it need not survive a power cut.
-        LockLost once the turn has let the conversation go."""
+    async def checkpoint(self, conv_id: str, message: dict | None, *, lock: TurnLock,
+                         off_path: Sequence[dict] = ()) -> None:
+        """Store a streaming reply as it is so far (`place_checkpoint`), with a comparison's other
+        replies `off_path`; it need not survive a power cut. LockLost once the turn has let the
+        conversation go."""
 
     async def list(self) -> list[dict]:
         """Every readable conversation's list entry (`summary_of`)."""
@@ -750,8 +781,8 @@ class FileStore:
         The newest whole checkpoint that still fits goes in: one of a reply the file already holds
         settled (a crash between a whole write and its removal of the slots) is left out.
         """
-        for _, message in checkpoints_beside(path):
-            if place_checkpoint(conv, message):
+        for checkpoint in checkpoints_beside(path):
+            if place_replies(conv, checkpoint.message, checkpoint.off_path):
                 self._unabsorbed.add(conv_id)
                 return
 
@@ -824,22 +855,27 @@ class FileStore:
         self._tell_changed(conv)
         return write
 
-    def checkpoint(self, conv_id: str, conv: dict, message: dict) -> asyncio.Future | None:
-        """Put a streaming reply in `conv` and queue writing it alone to a checkpoint slot.
+    def checkpoint(self, conv_id: str, conv: dict, message: dict | None,
+                   off_path: Sequence[dict] = ()) -> asyncio.Future | None:
+        """Put streaming replies in `conv` and queue writing them alone to a checkpoint slot.
 
-        The conversation file is left as it is, so a checkpoint costs the size of the reply, not of
-        the conversation; the next whole write takes the reply in and removes the checkpoint slots.
-        None when the reply has settled meanwhile (nothing to write).
+        The conversation file is left as it is, so a checkpoint costs the size of the replies, not
+        of the conversation; the next whole write takes them in and removes the checkpoint slots.
+        A comparison writes all its replies in each checkpoint: a slot is the newest state of every
+        one of them. None when the replies have settled meanwhile (nothing to write).
         """
         if conv_id in self._unabsorbed:
             # Memory holds a reply read from a checkpoint slot (a crash's): the file takes it in
             # first, or this checkpoint would replace the only copy of it.
-            return self.apply(conv_id, conv, lambda c: place_checkpoint(c, message))
-        if not place_checkpoint(conv, message):
+            return self.apply(conv_id, conv, lambda c: place_replies(c, message, off_path))
+        kept = message if message is not None and place_checkpoint(conv, message) else None
+        siblings = [reply for reply in off_path if place_checkpoint(conv, reply, off_path=True)]
+        if kept is None and not siblings:
             return None
         conv["updated_at"] = now_iso()
         seq = self._checkpoint_seq[conv_id] = self._checkpoint_seq.get(conv_id, 0) + 1
-        write = self._queue_write(conv_id, Snapshot(_dumps(message), [], None, checkpoint=seq))
+        snapshot = Snapshot(Checkpoint(seq, kept, siblings).data(), [], None, checkpoint=seq)
+        write = self._queue_write(conv_id, snapshot)
         self._tell_changed(conv)
         return write
 
@@ -1039,10 +1075,11 @@ class FileOwnerStore:
         await asyncio.shield(written)
         return conv
 
-    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+    async def checkpoint(self, conv_id: str, message: dict | None, *, lock: TurnLock,
+                         off_path: Sequence[dict] = ()) -> None:
         conv = self._mine(conv_id)
         self._check_lock(conv_id, lock)
-        if (written := self.files.checkpoint(conv_id, conv, message)) is not None:
+        if (written := self.files.checkpoint(conv_id, conv, message, off_path)) is not None:
             await asyncio.shield(written)
 
     async def list(self) -> list[dict]:

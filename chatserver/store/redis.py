@@ -50,7 +50,7 @@ import re
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,8 +68,8 @@ from chatserver import tasks
 from chatserver.conversations.document import (
     new_id,
     now_iso,
-    place_checkpoint,
     recover_interrupted,
+    streaming_replies,
     summary_of,
     upgrade,
     valid_id,
@@ -90,6 +90,7 @@ from chatserver.store.files import (
     check_document,
     check_share_id,
     is_checkpoint,
+    place_replies,
 )
 from chatserver.upstream.failures import redact_json
 
@@ -873,16 +874,6 @@ class _StopListener:
         await tasks.stop(self.task)
 
 
-def _left_streaming(conv: dict) -> bool:
-    """Whether a reply after the last question is still marked `streaming` (a checkpoint)."""
-    for message in reversed(conv.get("messages") or []):
-        if message.get("role") == "user":
-            return False
-        if message.get("role") == "assistant" and message.get("status") == "streaming":
-            return True
-    return False
-
-
 class _Conflict(Exception):
     """Another process wrote the conversation since this write's version was read."""
 
@@ -908,18 +899,21 @@ class RedisOwnerStore:
         is recovered in the copy answered, not in Redis: the next turn's opening write stores it so.
         """
         conv = await self.store.load(conv_id, self.owner)
-        if not _left_streaming(conv) or await self.store.turn_locked(conv_id):
+        if not streaming_replies(conv) or await self.store.turn_locked(conv_id):
             return conv
         # The turn may have saved and let go between the read and the lock check: read once more
         # (one short round trip when nothing changed).
         conv = await self.store.load(conv_id, self.owner)
-        if not _left_streaming(conv):
+        if not streaming_replies(conv):
             return conv
         # A copy: the cached conversation must stay what Redis holds.
-        recovered = {**conv, "messages": [dict(m) for m in conv["messages"]], "totals": dict(conv["totals"])}
-        for message in recovered["messages"]:
-            if isinstance(message.get("usage"), dict):
-                message["usage"] = dict(message["usage"])
+        recovered = {**conv, "totals": dict(conv["totals"])}
+        for name in ("messages", "off_path"):
+            if name in conv:
+                recovered[name] = [dict(m) for m in conv[name]]
+                for message in recovered[name]:
+                    if isinstance(message.get("usage"), dict):
+                        message["usage"] = dict(message["usage"])
         if recover_interrupted(recovered):
             log.warning("conversation %s: a reply left streaming by a process that died reads as interrupted", conv_id)
         return recovered
@@ -927,9 +921,10 @@ class RedisOwnerStore:
     async def update(self, conv_id: str, change: Change, *, lock: TurnLock | None = None) -> dict:
         return await self.store.update(conv_id, self.owner, change, lock)
 
-    async def checkpoint(self, conv_id: str, message: dict, *, lock: TurnLock) -> None:
+    async def checkpoint(self, conv_id: str, message: dict | None, *, lock: TurnLock,
+                         off_path: Sequence[dict] = ()) -> None:
         """An update: the reply's item near the end of the list is trimmed and pushed again."""
-        await self.update(conv_id, lambda conv: place_checkpoint(conv, message), lock=lock)
+        await self.update(conv_id, lambda conv: place_replies(conv, message, off_path), lock=lock)
 
     async def update_soon(self, conv_id: str, change: Change, *,
                           lock: TurnLock | None = None) -> tuple[dict, Awaitable[None]]:

@@ -1,7 +1,8 @@
 """Checkpoints: a streaming reply's partial text, activity and usage, written to the store as it grows.
 
 While a turn streams, `keep_checkpoints` stores the reply so far as an assistant message with
-`status: "streaming"`, at most once every CHECKPOINT_SECONDS, from a task of its own so that no
+`status: "streaming"` (a comparison's replies all together, the others off the path as the
+first's siblings), at most once every CHECKPOINT_SECONDS, from a task of its own so that no
 event ever waits for a write. Each checkpoint replaces the previous one in place (same message
 id; `storage.place_checkpoint`); the pipeline's final save replaces the last one, so the reply is
 still stored once, and a settled reply is never overwritten by a late checkpoint. Writes carry
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from chatserver.store.files import LockLost, NotFound
 from chatserver.turns import context
@@ -65,23 +67,44 @@ def checkpoint_message(turn: Turn, output: OutputCount) -> dict:
     return reply_message(turn, "streaming", usage, snapshot=True)
 
 
-async def keep_checkpoints(turn: Turn, every: float) -> None:
-    """Write the growing reply every `every` seconds until the turn settles (run it as its own task)."""
-    if turn.continues is not None:
-        return  # the reply it continues is stored settled, and a checkpoint never touches a settled reply
-    written = None
-    output = OutputCount()
-    while not turn.settled:
+async def keep_checkpoints(lanes: Sequence[Turn], every: float) -> None:
+    """Write the growing replies every `every` seconds until each has settled (run it as its own task).
+
+    A lone turn is one lane. A comparison's lanes are written together, the first model's reply on
+    the path and the others off it as its siblings: each checkpoint holds the newest state of every
+    reply still streaming, so a crash leaves each of them as far as it had come.
+    """
+    # A reply being continued is stored settled, and a checkpoint never touches a settled reply.
+    lanes = [lane for lane in lanes if lane.continues is None]
+    if not lanes:
+        return
+    first = lanes[0]
+    written: dict[str, tuple] = {}
+    outputs = {lane.assistant_id: OutputCount() for lane in lanes}
+    while not all(lane.settled for lane in lanes):
         await asyncio.sleep(every)  # the cadence itself, not a wait for something to happen
-        reply = turn.reply
-        mark = (len(reply.text), len(reply.reasoning), len(reply.activity), len(reply.usages))
-        if turn.settled or not reply.has_output or mark == written:
+        live = [lane for lane in lanes if not lane.settled and lane.reply.has_output]
+        marks = {lane.assistant_id: _mark(lane) for lane in live}
+        if all(written.get(aid) == mark for aid, mark in marks.items()):
             continue
+        on_path, off_path = None, []
+        for lane in live:
+            message = checkpoint_message(lane, outputs[lane.assistant_id])
+            if lane.lane is None or lane.lane.primary:
+                on_path = message
+            else:
+                off_path.append(message)
         try:
-            await turn.store.checkpoint(turn.conv_id, checkpoint_message(turn, output), lock=turn.lock)
+            await first.store.checkpoint(first.conv_id, on_path, off_path=off_path, lock=first.lock)
         except (LockLost, NotFound):
             return  # the turn is over or the conversation is gone: nothing left to keep
         except Exception:
             # A failed checkpoint costs only what a crash would lose; the turn itself goes on.
-            log.exception("checkpoint of the reply on %s failed", turn.conv_id)
-        written = mark
+            log.exception("checkpoint of the reply on %s failed", first.conv_id)
+        written.update(marks)
+
+
+def _mark(lane: Turn) -> tuple[int, int, int, int]:
+    """How far a reply has come: a checkpoint is written only when one of them moved."""
+    reply = lane.reply
+    return len(reply.text), len(reply.reasoning), len(reply.activity), len(reply.usages)

@@ -15,8 +15,8 @@ Promises:
 - `stop_lane` stops one reply (saved `interrupted`), the others run on; Stop stops them all.
 - Compression, when the conversation is over its budget, runs once before the lanes start.
 
-Lanes keep no checkpoints: a checkpoint is placed on the current path, where only one of the
-siblings may be. After a crash a comparison's replies are lost; its message stays.
+Checkpoints keep every lane (`keep_checkpoints`): the first model's reply on the path, the others
+off it, as they will be saved. After a crash each reply is left `interrupted` as far as it had come.
 """
 
 from __future__ import annotations

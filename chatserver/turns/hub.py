@@ -132,8 +132,8 @@ class RunningTurn:
     async def drive(self, turns: Turns, checkpoint_seconds: float) -> None:
         turn = self.turn
         compared = isinstance(turn, Comparison)
-        checkpoints = asyncio.create_task(keep_checkpoints(turn, checkpoint_seconds)) \
-            if checkpoint_seconds and not compared else None
+        checkpoints = asyncio.create_task(keep_checkpoints(turn.lanes if compared else [turn], checkpoint_seconds)) \
+            if checkpoint_seconds else None
         watch = TurnWatch(turn.first.model, {t.assistant_id: t.model for t in turn.lanes}) if compared \
             else TurnWatch(turn.model)
         try:

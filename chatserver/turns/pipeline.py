@@ -929,7 +929,9 @@ class Turns:
             # The reply's last checkpoint (status "streaming"), or the reply it continues, is replaced:
             # the reply is stored once.
             at = len(messages) - 1 if messages and messages[-1]["id"] == message["id"] else None
-            if at is None and turn.continues is not None:  # notices may follow the reply it continues
+            if at is None and (turn.continues is not None or not on_path):
+                # Notices may follow the reply it continues; a comparison's siblings' checkpoints
+                # may follow this one off the path.
                 at = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["id"] == message["id"]), None)
             if at is not None:
                 messages[at] = message

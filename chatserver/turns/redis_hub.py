@@ -132,8 +132,8 @@ class RedisTurnHub:
             if not locked:
                 return  # nothing runs, or the stopped turn has saved and let go
             if assistant_id is not None:
-                # A compared reply is stored once it ends (stopped, or finished before the Stop came);
-                # a lone turn's reply is stored `streaming` (a checkpoint) until then.
+                # A reply is stored `streaming` (a checkpoint) until it ends, stopped or finished
+                # before the Stop came.
                 stored = await self.store.stored_reply(conv_id, assistant_id)
                 if stored is not None and stored.get("status") != "streaming":
                     return
