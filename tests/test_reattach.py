@@ -9,7 +9,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -230,6 +230,25 @@ def checkpoint_when(conv_file: Path, ready: Callable[[Checkpoint], object], what
     return found[0]
 
 
+def sigkilled(server: LiveServer) -> None:
+    """The server dies mid-turn, as the OOM killer or a power cut would have it."""
+    server.process.kill()
+    server.process.wait(10)
+    server.stop()
+
+
+@contextlib.contextmanager
+def restarted(data_dir: Path, env: dict, conv_id: str) -> Iterator[tuple[LiveServer, dict]]:
+    """A new server on the same DATA_DIR and the conversation as it reads it: no turn runs on it."""
+    again = LiveServer(data_dir, env)
+    try:
+        conv = httpx.get(f"{again.base_url}/api/conversations/{conv_id}").json()
+        assert conv["streaming"] is False and conv["turn"] is None
+        yield again, conv
+    finally:
+        again.stop()
+
+
 def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint(tmp_path, sim):
     data_dir = tmp_path / "data"
     env = {"GATEWAY_BASE_URL": sim.base_url, "CHECKPOINT_SECONDS": "0.2"}
@@ -246,16 +265,11 @@ def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint
                                  lambda c: c.message["content"], "no checkpoint was written").message
         assert stored["role"] == "assistant" and stored["status"] == "streaming"
         checkpointed = stored["content"]
-        server.process.kill()
-        server.process.wait(10)
     finally:
-        server.stop()
+        sigkilled(server)
     post.join()
 
-    again = LiveServer(data_dir, env)
-    try:
-        conv = httpx.get(f"{again.base_url}/api/conversations/{conv_id}").json()
-        assert conv["streaming"] is False and conv["turn"] is None
+    with restarted(data_dir, env, conv_id) as (again, conv):
         user, reply = conv["messages"]
         assert reply["status"] == "interrupted"
         assert reply["content"].startswith(checkpointed) and WHOLE.startswith(reply["content"])
@@ -271,8 +285,6 @@ def test_a_reply_cut_by_sigkill_is_interrupted_after_restart_with_its_checkpoint
         conv = httpx.get(f"{again.base_url}/api/conversations/{conv_id}").json()
         assert [(m["role"], m.get("status")) for m in conv["messages"]] == [
             ("user", None), ("assistant", "interrupted"), ("user", None), ("assistant", "complete")]
-    finally:
-        again.stop()
 
 
 def test_a_comparison_cut_by_sigkill_leaves_every_reply_interrupted_after_restart(tmp_path, sim):
@@ -295,16 +307,11 @@ def test_a_comparison_cut_by_sigkill_leaves_every_reply_interrupted_after_restar
         first, [other] = checkpoint.message, checkpoint.off_path
         assert (first["model"], other["model"]) == tuple(models)
         assert {first["status"], other["status"]} == {"streaming"} and first["content"] and other["content"]
-        server.process.kill()
-        server.process.wait(10)
     finally:
-        server.stop()
+        sigkilled(server)
     post.join()
 
-    again = LiveServer(data_dir, env)
-    try:
-        conv = httpx.get(f"{again.base_url}/api/conversations/{conv_id}").json()
-        assert conv["streaming"] is False and conv["turn"] is None
+    with restarted(data_dir, env, conv_id) as (again, conv):
         user, reply = conv["messages"]
         assert (reply["id"], reply["status"], reply["model"]) == (first["id"], "interrupted", models[0])
         assert reply["content"].startswith(first["content"]) and WHOLE.startswith(reply["content"])
@@ -317,8 +324,6 @@ def test_a_comparison_cut_by_sigkill_leaves_every_reply_interrupted_after_restar
         assert (sibling["id"], sibling["status"], sibling["model"]) == (other["id"], "interrupted", models[1])
         assert sibling["content"].startswith(other["content"]) and WHOLE.startswith(sibling["content"])
         assert sibling["usage"]["estimated"] is True and sibling["usage"]["output_tokens"] > 0
-    finally:
-        again.stop()
 
 
 # --- In-process: checkpoints, the stream route's answers, stalled readers ------------------------

@@ -180,7 +180,7 @@ def place_checkpoint(conv: dict, message: dict, *, off_path: bool = False) -> bo
 _ROLE = operator.itemgetter("role")
 # Long conversations' counted messages: the very dicts counted (all but the last, which a
 # checkpoint replaces) and how many of them are notices. Every change of a conversation tells the
-# list its entry, twice a turn; comparing identities is several times cheaper than reading each
+# list its entry, twice a turn; checking the counted prefix (`starts_with`) is several times cheaper than reading each
 # message's role again. Bounded, and dropped when the conversation is deleted (`forget_counted`).
 COUNTED_FROM = 1000
 COUNTED_KEPT = 32

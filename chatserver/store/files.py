@@ -251,12 +251,10 @@ def checkpoints_beside(path: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.seq, reverse=True)
 
 
-def place_replies(conv: dict, message: dict | None, off_path: Iterable[dict]) -> bool:
-    """`place_checkpoint` of each streaming reply; True if any changed `conv`."""
-    placed = message is not None and place_checkpoint(conv, message)
-    for reply in off_path:
-        placed = place_checkpoint(conv, reply, off_path=True) or placed
-    return placed
+def place_replies(conv: dict, message: dict | None, off_path: Iterable[dict]) -> tuple[dict | None, list[dict]]:
+    """`place_checkpoint` of each streaming reply: the ones that changed `conv` (a settled reply is left)."""
+    kept = message if message is not None and place_checkpoint(conv, message) else None
+    return kept, [reply for reply in off_path if place_checkpoint(conv, reply, off_path=True)]
 
 
 def _write_snapshot(path: Path, earlier: Path, snapshot: Snapshot,
@@ -782,7 +780,7 @@ class FileStore:
         settled (a crash between a whole write and its removal of the slots) is left out.
         """
         for checkpoint in checkpoints_beside(path):
-            if place_replies(conv, checkpoint.message, checkpoint.off_path):
+            if place_replies(conv, checkpoint.message, checkpoint.off_path) != (None, []):
                 self._unabsorbed.add(conv_id)
                 return
 
@@ -868,8 +866,7 @@ class FileStore:
             # Memory holds a reply read from a checkpoint slot (a crash's): the file takes it in
             # first, or this checkpoint would replace the only copy of it.
             return self.apply(conv_id, conv, lambda c: place_replies(c, message, off_path))
-        kept = message if message is not None and place_checkpoint(conv, message) else None
-        siblings = [reply for reply in off_path if place_checkpoint(conv, reply, off_path=True)]
+        kept, siblings = place_replies(conv, message, off_path)
         if kept is None and not siblings:
             return None
         conv["updated_at"] = now_iso()
